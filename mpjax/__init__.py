@@ -1,0 +1,15 @@
+"""mpjax: automatic mixed precision for JAX.
+
+* `autocast`: a function transform that runs matrix products in float16 or
+  bfloat16 and numerically fragile operations in float32.
+* `grad_scaler`: dynamic loss scaling as an optax transform.
+* `audit`: what ran in which precision.
+"""
+
+from mpjax.audit import AuditReport, Equation, audit
+from mpjax.interpreter import autocast
+from mpjax.policy import Rule, rule_for
+
+__version__ = "0.1.0"
+
+__all__ = ["autocast", "audit", "AuditReport", "Equation", "Rule", "rule_for"]

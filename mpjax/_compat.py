@@ -1,0 +1,109 @@
+"""Everything mpjax needs from JAX internals, in one place (jax 0.10 to 0.12).
+
+The interpreter reads jaxprs and re-binds primitives. The public ways to do that
+move between JAX releases; each difference is absorbed here, nowhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import jax
+from jax.extend import core as jex_core
+from jax.extend import source_info_util
+
+Literal = jex_core.Literal
+
+# Tracebacks and source locations skip mpjax's own frames and name the user's line.
+source_info_util.register_exclusion(os.path.dirname(__file__))
+
+
+def jaxpr_and_consts(jaxpr):
+    """(open jaxpr, consts) of a closed or open jaxpr.
+
+    In jax 0.12 `ClosedJaxpr` is an alias of `Jaxpr` and `.jaxpr` is the object
+    itself, so closedness is read from attributes, never from `isinstance`.
+    """
+    return getattr(jaxpr, "jaxpr", jaxpr), tuple(getattr(jaxpr, "consts", ()))
+
+
+def bind(eqn, *args, **param_updates):
+    """Re-binds `eqn`'s primitive on new arguments; always returns a list."""
+    params = {**eqn.params, **param_updates}
+    out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+@contextlib.contextmanager
+def equation_context(eqn):
+    """Binds under `eqn`'s user traceback and name scope.
+
+    New equations then point at the user's source line, and errors raised by a
+    bind are reported against it, as `jax.core.eval_jaxpr` does.
+    """
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+        yield
+
+
+def name_stack(eqn) -> str:
+    """The equation's scope path, e.g. ``"block/mpjax_autocast_off/attn"``."""
+    return str(eqn.source_info.name_stack)
+
+
+def user_frame(eqn) -> str:
+    """``file:line (function)`` of the user code that produced `eqn`."""
+    return source_info_util.summarize(eqn.source_info)
+
+
+def scan_counts(params) -> tuple[int, int]:
+    """(number of consts, number of carries) of a scan equation."""
+    if "num_consts" in params:  # jax <= 0.11
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()  # jax 0.12
+    return len(consts), len(carry)
+
+
+def shard_map_kwargs(params) -> dict:
+    """Keyword arguments that rebuild a shard_map equation with `jax.shard_map`."""
+    return dict(
+        mesh=params["mesh"],
+        in_specs=tuple(params["in_specs"]),
+        out_specs=tuple(params["out_specs"]),
+        axis_names=frozenset(params.get("newly_manual_axes", params.get("manual_axes", ()))),
+        check_vma=params.get("check_vma", params.get("check_rep", True)),
+    )
+
+
+def retype_scalar_jaxpr(params, dtype):
+    """Re-traces a scatter's scalar combiner (`update_jaxpr`) at `dtype`.
+
+    XLA checks the combiner's types against the operands', so a scatter whose
+    operands change precision needs its combiner re-traced.
+    """
+    update_jaxpr = params.get("update_jaxpr")
+    if update_jaxpr is None:
+        return {}
+    consts = params.get("update_consts", ())
+    scalar = jax.ShapeDtypeStruct((), dtype)
+    closed = jax.make_jaxpr(
+        lambda a, b: jax.core.eval_jaxpr(update_jaxpr, consts, a, b))(scalar, scalar)
+    new_jaxpr, new_consts = jaxpr_and_consts(closed)
+    return dict(update_jaxpr=new_jaxpr, update_consts=new_consts)
+
+
+def custom_jvp_rule(params, num_args: int):
+    """The jvp rule of a custom_jvp equation, traced at the original dtypes.
+
+    Returns ``(jaxpr, consts, out_zeros)``: the jaxpr maps ``(*primals,
+    *tangents)`` to ``(*primal_outs, *nonzero_tangent_outs)``; ``out_zeros[i]``
+    says the i-th output tangent is a symbolic zero left out of the jaxpr.
+    """
+    jaxpr, consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(*[False] * num_args)
+    return jaxpr, consts, list(out_zeros)
+
+
+def sub_jaxprs(params):
+    """The jaxprs held in an equation's params (bodies, branches, callees)."""
+    return list(jex_core.jaxprs_in_params(params))

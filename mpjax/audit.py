@@ -1,0 +1,149 @@
+"""`audit`: what ran in which precision."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import numpy as np
+
+from mpjax import _compat
+from mpjax import policy
+
+_MATMULS = frozenset(policy.LOW_PRECISION)
+
+
+class Equation(NamedTuple):
+    """One primitive of the audited program, after the policy."""
+
+    primitive: str
+    in_dtypes: tuple[str, ...]
+    out_dtypes: tuple[str, ...]
+    path: str
+    """Where it sits: the higher-order primitives around it, e.g. ``"scan/jit"``."""
+    source: str
+    """The user's line that produced it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+    """What a traced function computes in which precision.
+
+    Attributes:
+      equations: every primitive, in program order, sub-programs included.
+      float_casts: number of casts between floating dtypes.
+      casts_inserted: casts that autocast added, when the audited function is
+        an `autocast` function (its float casts minus those of the function it
+        wraps); None otherwise.
+      matmul_flops: floating-point operations of all dot products and
+        convolutions (a scan body counted once per iteration).
+      low_precision_flops: the part of `matmul_flops` with 16-bit inputs.
+    """
+
+    equations: tuple[Equation, ...]
+    float_casts: int
+    casts_inserted: int | None
+    matmul_flops: int
+    low_precision_flops: int
+
+    @property
+    def low_precision_fraction(self) -> float:
+        """Share of dot/conv FLOPs that run in float16 or bfloat16 (1.0 if none)."""
+        return self.low_precision_flops / self.matmul_flops if self.matmul_flops else 1.0
+
+    def find(self, primitive: str) -> list[Equation]:
+        """The equations of one primitive, e.g. ``report.find("dot_general")``."""
+        return [e for e in self.equations if e.primitive == primitive]
+
+    def summary(self) -> dict[tuple[str, tuple[str, ...], tuple[str, ...]], int]:
+        """Counts of (primitive, input dtypes, output dtypes)."""
+        return dict(collections.Counter(
+            (e.primitive, e.in_dtypes, e.out_dtypes) for e in self.equations))
+
+    def __str__(self) -> str:
+        rows = sorted(self.summary().items(), key=lambda kv: (kv[0][0], -kv[1]))
+        width = max([len(k[0]) for k, _ in rows] + [9])
+        lines = [f"{'primitive':<{width}}  {'count':>5}  inputs -> outputs"]
+        for (prim, ins, outs), n in rows:
+            lines.append(f"{prim:<{width}}  {n:>5}  {', '.join(ins) or '-'} -> {', '.join(outs)}")
+        inserted = "" if self.casts_inserted is None else f" ({self.casts_inserted} inserted by autocast)"
+        lines.append(f"float casts: {self.float_casts}{inserted}")
+        lines.append(f"dot/conv FLOPs in 16-bit precision: {self.low_precision_fraction:.1%} "
+                     f"of {self.matmul_flops:,}")
+        return "\n".join(lines)
+
+
+def audit(fun: Callable, *args, **kwargs) -> AuditReport:
+    """Traces ``fun(*args, **kwargs)`` and reports the precision of every operation.
+
+    `fun` is audited as given: pass ``autocast(f)``, ``jax.grad(autocast(f))`` or a
+    whole training step. Nothing is executed.
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax
+      >>> def f(w, x):
+      ...     return jnp.sum(jnp.exp(x @ w))
+      >>> report = mpjax.audit(mpjax.autocast(f), jnp.ones((4, 3)), jnp.ones((2, 4)))
+      >>> [e.out_dtypes for e in report.find("dot_general")]
+      [('float16',)]
+      >>> report.low_precision_fraction
+      1.0
+      >>> print(report)  # doctest: +SKIP
+    """
+    if not callable(fun):
+        raise TypeError(f"audit(fun, ...): fun must be callable, got {type(fun).__name__}.")
+    equations, casts, flops, low_flops = _walk(_trace(fun, args, kwargs))
+    inserted = None
+    wrapper, original = getattr(fun, "__mpjax_autocast__", (None, None))
+    if wrapper is fun:
+        inserted = casts - _walk(_trace(original, args, kwargs))[1]
+    return AuditReport(tuple(equations), casts, inserted, flops, low_flops)
+
+
+def _trace(fun, args, kwargs):
+    jaxpr, _ = _compat.jaxpr_and_consts(jax.make_jaxpr(fun)(*args, **kwargs))
+    return jaxpr
+
+
+def _dtype_names(atoms) -> tuple[str, ...]:
+    return tuple(str(a.aval.dtype) for a in atoms if hasattr(a.aval, "dtype"))
+
+
+def _walk(jaxpr, path: str = "", repeat: int = 1):
+    equations, casts, flops, low_flops = [], 0, 0, 0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        equations.append(Equation(name, _dtype_names(eqn.invars), _dtype_names(eqn.outvars),
+                                  path, _compat.user_frame(eqn)))
+        if name == "convert_element_type":
+            src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+            casts += src != dst and np.issubdtype(src, np.floating) and np.issubdtype(dst, np.floating)
+        elif name in _MATMULS:
+            n = _matmul_flops(eqn) * repeat
+            flops += n
+            if all(np.dtype(v.aval.dtype) in policy.LOW_DTYPES for v in eqn.invars[:2]):
+                low_flops += n
+        inner_repeat = repeat * (eqn.params["length"] if name == "scan" else 1)
+        for sub in _compat.sub_jaxprs(eqn.params):
+            inner, _ = _compat.jaxpr_and_consts(sub)
+            e, c, f, lf = _walk(inner, f"{path}/{name}" if path else name, inner_repeat)
+            equations += e
+            casts, flops, low_flops = casts + c, flops + f, low_flops + lf
+    return equations, casts, flops, low_flops
+
+
+def _matmul_flops(eqn) -> int:
+    lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+    if eqn.primitive.name == "conv_general_dilated":
+        out = eqn.outvars[0].aval.shape
+        out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+        return 2 * math.prod(out) * math.prod(rhs) // max(out_features, 1)
+    if eqn.primitive.name == "dot_general":
+        (_, rhs_contract), (_, rhs_batch) = eqn.params["dimension_numbers"]
+        rhs_free = [d for i, d in enumerate(rhs) if i not in (*rhs_contract, *rhs_batch)]
+        return 2 * math.prod(lhs) * math.prod(rhs_free)
+    # ragged_dot: lhs [m, k] against rhs [groups, k, n]; each row meets one group.
+    return 2 * math.prod(lhs) * rhs[-1]

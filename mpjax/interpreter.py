@@ -1,0 +1,566 @@
+"""`autocast`: re-evaluates a traced program under the precision policy.
+
+The wrapped function is traced to a jaxpr, and the jaxpr is evaluated equation by
+equation, binding each primitive again on inputs cast as `mpjax.policy` says.
+Because the evaluation binds ordinary primitives on whatever values it receives
+(tracers included), the result composes with `jit`, `grad`, `vmap` and the rest.
+
+Three pieces of state travel through the evaluation:
+
+* a *region* (the low-precision dtype, or None where autocast is off), read from
+  the name scopes that nested `autocast` calls leave on their equations;
+* a *weak* flag per value: True for values computed from literals alone (``0.5``,
+  the ``-1e9`` of an attention mask, ``jnp.arange``). Weak values never widen an
+  operation, the way Python scalars do not widen a float16 array in JAX;
+* a *scope* of casts already made, so that each value is cast to a dtype once per
+  trace, and casts of loop-invariant values are hoisted out of loops.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from mpjax import _compat
+from mpjax import policy
+from mpjax.policy import Rule
+
+_F32 = np.dtype(jnp.float32)
+_MARKER = "mpjax_autocast_"
+_MARKER_RE = re.compile(_MARKER + r"(off|float16|bfloat16)")
+
+
+class Region(NamedTuple):
+    """The autocast setting in force: the low dtype, or None when disabled."""
+
+    dtype: np.dtype | None
+
+    @property
+    def scope_name(self) -> str:
+        return _MARKER + ("off" if self.dtype is None else self.dtype.name)
+
+
+def region_of(eqn, outer: Region) -> Region:
+    """The region an equation was traced in: the innermost autocast scope."""
+    found = _MARKER_RE.findall(_compat.name_stack(eqn))
+    if not found:
+        return outer
+    return Region(None if found[-1] == "off" else np.dtype(found[-1]))
+
+
+def dtype_of(x) -> np.dtype:
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def _convert(x, dtype: np.dtype, saturate: bool):
+    """Casts `x`; a saturating cast maps finite values out of range to +-max."""
+    numpy_value = isinstance(x, (np.ndarray, np.generic))
+    if saturate and jnp.finfo(dtype).max < jnp.finfo(dtype_of(x)).max:
+        hi = jnp.finfo(dtype).max.astype(dtype_of(x))
+        if numpy_value:  # a literal: keep its infinities
+            x = np.where(np.isinf(x), x, np.clip(x, -hi, hi))
+        else:  # computed from literals: one clamp, which XLA folds
+            x = lax.clamp(-hi, x, hi)
+    if numpy_value:
+        return np.asarray(x).astype(dtype)
+    return lax.convert_element_type(x, dtype)
+
+
+class Scope:
+    """The casts made in one trace, so each value is cast to a dtype once.
+
+    A loop body gets a child scope. Its `invariant` values are the loop's
+    constants, which the body sees by closure: a cast of one is recorded in
+    `requests`, so the loop rule can make it once outside the loop instead.
+    """
+
+    def __init__(self, parent: Scope | None = None, invariant=()):
+        self.parent = parent
+        self._casts: dict[tuple[int, np.dtype], tuple[Any, Any]] = {}
+        self._invariant = {id(v) for v in invariant}
+        self.requests: list[tuple[Any, np.dtype, bool]] = []
+
+    def seed(self, x, dtype, cast_x) -> None:
+        self._casts[(id(x), np.dtype(dtype))] = (x, cast_x)
+
+    def cast(self, x, dtype, weak: bool = False):
+        dtype = np.dtype(dtype)
+        if dtype_of(x) == dtype:
+            return x
+        key = (id(x), dtype)
+        scope = self
+        while scope is not None:
+            if key in scope._casts:
+                return scope._casts[key][1]
+            scope = scope.parent
+        if key[0] in self._invariant:
+            self.requests.append((x, dtype, weak))
+        # Weak values are constants the user wrote for float32 (a -1e9 mask):
+        # saturate them rather than overflow to inf in float16.
+        y = _convert(x, dtype, saturate=weak)
+        self._casts[key] = (x, y)  # the key's object is kept alive with its id
+        return y
+
+
+class Context(NamedTuple):
+    region: Region
+    scope: Scope
+
+    def child(self, invariant=()) -> Context:
+        return self._replace(scope=Scope(self.scope, invariant))
+
+
+# --------------------------------------------------------------------------
+# Evaluation
+
+
+def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool]]:
+    """Evaluates `jaxpr` on `args` under `ctx`; returns outputs and weak flags."""
+    env: dict = {}
+
+    def read(v):
+        if isinstance(v, _compat.Literal):
+            return np.asarray(v.val, dtype=v.aval.dtype), True
+        return env[v]
+
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = (c, False)
+    for v, a, w in zip(jaxpr.invars, args, weak, strict=True):
+        env[v] = (a, w)
+    for eqn in jaxpr.eqns:
+        vals, weaks = zip(*map(read, eqn.invars)) if eqn.invars else ((), ())
+        eqn_ctx = ctx._replace(region=region_of(eqn, ctx.region))
+        rule = HIGHER_ORDER.get(eqn.primitive.name, _first_order)
+        try:
+            with _compat.equation_context(eqn):
+                outs = rule(eqn_ctx, eqn, list(vals), list(weaks))
+        except Exception as e:
+            if not getattr(e, "_mpjax_noted", False):
+                e.add_note(f"(mpjax.autocast, while evaluating `{eqn.primitive.name}` "
+                           f"from {_compat.user_frame(eqn)})")
+                e._mpjax_noted = True
+            raise
+        out_weak = all(weaks)
+        for v, o in zip(eqn.outvars, outs, strict=True):
+            env[v] = (o, out_weak)
+    return [list(t) for t in zip(*map(read, jaxpr.outvars))] if jaxpr.outvars else ([], [])
+
+
+def _eval_closed(ctx: Context, closed, args, weak):
+    jaxpr, consts = _compat.jaxpr_and_consts(closed)
+    return eval_jaxpr(ctx, jaxpr, consts, args, weak)
+
+
+# --------------------------------------------------------------------------
+# First-order primitives: the policy tables
+
+
+def _targets(rule: Rule, eqn, vals, weak, low) -> list:
+    """The dtype each input is cast to (None: left as it is)."""
+    dtypes = [dtype_of(x) for x in vals]
+    castable = [policy.is_castable(d) for d in dtypes]
+    if rule is Rule.LOW:
+        return [low if c else None for c in castable]
+    if rule is Rule.FLOAT32:
+        return [_F32 if c else None for c in castable]
+    if rule is Rule.WIDEST:
+        strong = [d for d, c, w in zip(dtypes, castable, weak) if c and not w]
+        target = policy.widest(strong) or policy.widest(
+            d for d, c in zip(dtypes, castable) if c)
+        return [target if c else None for c in castable]
+    if rule is Rule.ORIGINAL:
+        return [v.aval.dtype if c and policy.is_castable(v.aval.dtype) else None
+                for v, c in zip(eqn.invars, castable)]
+    return [None] * len(vals)
+
+
+def _first_order(ctx: Context, eqn, vals, weak):
+    low = ctx.region.dtype
+    if eqn.primitive.name == "convert_element_type":
+        return _convert_rule(ctx, eqn, vals, weak)
+    rule = Rule.ORIGINAL if low is None else policy.rule_for(eqn.primitive.name)
+    targets = _targets(rule, eqn, vals, weak, low)
+    args = [x if t is None else ctx.scope.cast(x, t, w)
+            for x, t, w in zip(vals, targets, weak)]
+    updates = {}
+    if rule is Rule.LOW:
+        preferred = eqn.params.get("preferred_element_type")
+        if preferred is not None and policy.is_castable(preferred):
+            updates["preferred_element_type"] = low
+    if "update_jaxpr" in eqn.params and args and dtype_of(args[0]) != eqn.invars[0].aval.dtype:
+        updates.update(_compat.retype_scalar_jaxpr(eqn.params, dtype_of(args[0])))
+    return _compat.bind(eqn, *args, **updates)
+
+
+def _convert_rule(ctx: Context, eqn, vals, weak):
+    """User casts are respected; dtype-preserving converts are weak-type strips."""
+    (x,), (w,) = vals, weak
+    original_in = eqn.invars[0].aval.dtype
+    new_dtype = np.dtype(eqn.params["new_dtype"])
+    if ctx.region.dtype is None:
+        return _compat.bind(eqn, *_cast_to_original(ctx, eqn, vals, weak))
+    if new_dtype == original_in or dtype_of(x) == new_dtype:
+        return [x]
+    return _compat.bind(eqn, x)
+
+
+def _cast_to_original(ctx: Context, eqn, vals, weak):
+    targets = _targets(Rule.ORIGINAL, eqn, vals, weak, None)
+    return [x if t is None else ctx.scope.cast(x, t, w) for x, t, w in zip(vals, targets, weak)]
+
+
+# --------------------------------------------------------------------------
+# Higher-order primitives
+
+
+def _inline_call(ctx: Context, eqn, vals, weak):
+    """A nested jit is inlined, so its casts share the caller's scope."""
+    closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    with jax.named_scope(eqn.params.get("name", eqn.primitive.name)):
+        outs, _ = _eval_closed(ctx, closed, vals, weak)
+    return outs
+
+
+def _remat(ctx: Context, eqn, vals, weak):
+    def body(*args):
+        outs, _ = _eval_closed(ctx.child(), eqn.params["jaxpr"], list(args), weak)
+        return outs
+
+    checkpointed = jax.checkpoint(body, prevent_cse=eqn.params["prevent_cse"],
+                                  policy=eqn.params["policy"])
+    return list(checkpointed(*vals))
+
+
+def _shard_map(ctx: Context, eqn, vals, weak):
+    def body(*args):
+        outs, _ = _eval_closed(ctx.child(), eqn.params["jaxpr"], list(args), weak)
+        return tuple(outs)
+
+    return list(jax.shard_map(body, **_compat.shard_map_kwargs(eqn.params))(*vals))
+
+
+def _custom_jvp(ctx: Context, eqn, vals, weak):
+    """Rebuilt as a new custom_jvp whose primal and rule are both autocast.
+
+    Primal outputs of the rule are cast to the primal function's output dtypes
+    and tangents to the matching tangent dtypes, as custom_jvp requires.
+    """
+    params = eqn.params
+    n_consts = params["num_consts"]
+    rule, rule_consts, out_zeros = _compat.custom_jvp_rule(params, len(vals) - n_consts)
+
+    def primal(*args):
+        outs, _ = _eval_closed(ctx.child(), params["call_jaxpr"], list(args), weak)
+        return outs
+
+    def jvp(primals, tangents):
+        out_avals = jax.eval_shape(primal, *primals)
+        n_args = len(primals) - n_consts
+        child = ctx.child()
+        outs, _ = eval_jaxpr(child, rule, rule_consts,
+                             [*primals[n_consts:], *tangents[n_consts:]],
+                             [*weak[n_consts:], *[False] * n_args])
+        n = len(out_avals)
+        nonzero = iter(outs[n:])
+        tangent_outs = [jnp.zeros(a.shape, a.dtype) if z else next(nonzero)
+                        for a, z in zip(out_avals, out_zeros)]
+        primal_outs = [child.scope.cast(o, a.dtype) for o, a in zip(outs[:n], out_avals)]
+        tangent_outs = [child.scope.cast(t, a.dtype) for t, a in zip(tangent_outs, out_avals)]
+        return primal_outs, tangent_outs
+
+    rebuilt = jax.custom_jvp(primal)
+    rebuilt.defjvp(lambda primals, tangents: jvp(list(primals), list(tangents)))
+    return list(rebuilt(*vals))
+
+
+def _cond(ctx: Context, eqn, vals, weak):
+    """Each branch is autocast; outputs are cast to the widest across branches."""
+    index, ops = vals[0], vals[1:]
+    ops_weak = weak[1:]
+    branches = eqn.params["branches"]
+
+    def branch_fn(closed, out_dtypes=None):
+        def fn(*args):
+            child = ctx.child()
+            outs, _ = _eval_closed(child, closed, list(args), ops_weak)
+            if out_dtypes is None:
+                return outs
+            return [child.scope.cast(o, d) for o, d in zip(outs, out_dtypes)]
+        return fn
+
+    per_branch = [jax.eval_shape(branch_fn(b), *ops) for b in branches]
+    out_dtypes = [_join([a.dtype for a in avals]) for avals in zip(*per_branch)]
+    return list(lax.switch(index, [branch_fn(b, out_dtypes) for b in branches], *ops))
+
+
+def _join(dtypes) -> np.dtype:
+    dtypes = [np.dtype(d) for d in dtypes]
+    if all(d == dtypes[0] for d in dtypes):
+        return dtypes[0]
+    return policy.widest(dtypes)
+
+
+def _fix_carry(ctx: Context, init, init_weak, probe) -> tuple[list, Scope]:
+    """Carry dtypes that the loop body maps to themselves.
+
+    `probe(dtypes)` evaluates the body abstractly and returns the carry-out
+    dtypes and the probing scope. A carry starts at its initial dtype; a weak
+    initial value (``jnp.zeros``) adopts the body's output dtype once, so an RNN
+    state started from zeros stays in low precision; after that a carry only
+    widens, so the search ends.
+    """
+    dtypes = [dtype_of(x) for x in init]
+    for step in range(len(dtypes) + 3):
+        out_dtypes, scope = probe(dtypes)
+        new = []
+        for d, o, w in zip(dtypes, out_dtypes, init_weak):
+            o = np.dtype(o)
+            if d == o or not (policy.is_castable(d) and policy.is_castable(o)):
+                new.append(d)
+            elif w and step == 0:
+                new.append(o)
+            else:
+                new.append(policy.widest([d, o]))
+        if new == dtypes:
+            return dtypes, scope
+        dtypes = new
+    raise AssertionError("autocast: loop carry dtypes did not converge")  # unreachable
+
+
+def _hoist(ctx: Context, scope: Scope) -> None:
+    """Makes the casts a loop body asked of loop-invariant values, outside it."""
+    for value, dtype, weak in scope.requests:
+        ctx.scope.cast(value, dtype, weak)
+
+
+def _scan(ctx: Context, eqn, vals, weak):
+    params = eqn.params
+    n_consts, n_carry = _compat.scan_counts(params)
+    consts, init, xs = vals[:n_consts], vals[n_consts:n_consts + n_carry], vals[n_consts + n_carry:]
+    consts_weak, init_weak, xs_weak = (weak[:n_consts], weak[n_consts:n_consts + n_carry],
+                                       weak[n_consts + n_carry:])
+    jaxpr, jaxpr_consts = _compat.jaxpr_and_consts(params["jaxpr"])
+    body_weak = [*consts_weak, *[False] * n_carry, *xs_weak]
+
+    def run_body(scope_ctx, carry, x_slices):
+        outs, _ = eval_jaxpr(scope_ctx, jaxpr, jaxpr_consts, [*consts, *carry, *x_slices], body_weak)
+        return outs[:n_carry], outs[n_carry:]
+
+    xs_avals = [jax.ShapeDtypeStruct(np.shape(x)[1:], dtype_of(x)) for x in xs]
+    slice_ids: dict[int, int] = {}
+
+    def probe(carry_dtypes):
+        child = ctx.child(invariant=consts)
+
+        def fn(carry, x_slices):
+            slice_ids.clear()
+            slice_ids.update({id(s): i for i, s in enumerate(x_slices)})
+            child.scope._invariant |= set(slice_ids)
+            return run_body(child, carry, x_slices)[0]
+
+        carry_avals = [jax.ShapeDtypeStruct(np.shape(c), d) for c, d in zip(init, carry_dtypes)]
+        out = jax.eval_shape(fn, carry_avals, xs_avals)
+        return [a.dtype for a in out], child.scope
+
+    carry_dtypes, probe_scope = _fix_carry(ctx, init, init_weak, probe)
+
+    # Casts of whole xs are made once, outside the loop, and scanned over.
+    hoisted_xs = []
+    const_requests = []
+    for value, dtype, w in probe_scope.requests:
+        if id(value) in slice_ids:
+            i = slice_ids[id(value)]
+            hoisted_xs.append((i, dtype, ctx.scope.cast(xs[i], dtype, w)))
+        else:
+            const_requests.append((value, dtype, w))
+    probe_scope.requests = const_requests
+    _hoist(ctx, probe_scope)
+
+    def body(carry, x_all):
+        x_slices, extra = x_all[:len(xs)], x_all[len(xs):]
+        child = ctx.child()
+        for (i, dtype, _), cast_slice in zip(hoisted_xs, extra):
+            child.scope.seed(x_slices[i], dtype, cast_slice)
+        new_carry, ys = run_body(child, carry, x_slices)
+        return [child.scope.cast(c, d) for c, d in zip(new_carry, carry_dtypes)], ys
+
+    init = [ctx.scope.cast(c, d, w) for c, d, w in zip(init, carry_dtypes, init_weak)]
+    carry, ys = lax.scan(body, init, [*xs, *(h[2] for h in hoisted_xs)],
+                         length=params["length"], reverse=params["reverse"],
+                         unroll=params["unroll"])
+    return [*carry, *ys]
+
+
+def _while(ctx: Context, eqn, vals, weak):
+    params = eqn.params
+    nc, nb = params["cond_nconsts"], params["body_nconsts"]
+    cond_consts, body_consts, init = vals[:nc], vals[nc:nc + nb], vals[nc + nb:]
+    cond_weak, body_weak, init_weak = weak[:nc], weak[nc:nc + nb], weak[nc + nb:]
+    n_carry = len(init)
+
+    def run_body(scope_ctx, carry):
+        outs, _ = _eval_closed(scope_ctx, params["body_jaxpr"], [*body_consts, *carry],
+                               [*body_weak, *[False] * n_carry])
+        return outs
+
+    def probe(carry_dtypes):
+        child = ctx.child(invariant=body_consts)
+        carry_avals = [jax.ShapeDtypeStruct(np.shape(c), d) for c, d in zip(init, carry_dtypes)]
+        out = jax.eval_shape(lambda c: run_body(child, c), carry_avals)
+        return [a.dtype for a in out], child.scope
+
+    carry_dtypes, probe_scope = _fix_carry(ctx, init, init_weak, probe)
+    _hoist(ctx, probe_scope)
+
+    def cond_fn(carry):
+        outs, _ = _eval_closed(ctx.child(), params["cond_jaxpr"], [*cond_consts, *carry],
+                               [*cond_weak, *[False] * n_carry])
+        return outs[0]
+
+    def body_fn(carry):
+        child = ctx.child()
+        return [child.scope.cast(c, d) for c, d in zip(run_body(child, carry), carry_dtypes)]
+
+    init = [ctx.scope.cast(c, d, w) for c, d, w in zip(init, carry_dtypes, init_weak)]
+    return list(lax.while_loop(cond_fn, body_fn, init))
+
+
+HIGHER_ORDER: dict[str, Callable] = {
+    "jit": _inline_call,
+    "pjit": _inline_call,
+    "closed_call": _inline_call,
+    "core_call": _inline_call,
+    "remat2": _remat,
+    "checkpoint": _remat,
+    "shard_map": _shard_map,
+    "custom_jvp_call": _custom_jvp,
+    "cond": _cond,
+    "scan": _scan,
+    "while": _while,
+}
+"""Higher-order primitives the interpreter recurses into, by name.
+
+custom_vjp_call is deliberately absent: it runs as written at its original input
+dtypes (`Rule.ORIGINAL`), so the user's backward rule stays exact.
+"""
+
+
+# --------------------------------------------------------------------------
+# The public transform
+
+
+def _check_dtype(dtype) -> np.dtype:
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved not in policy.LOW_DTYPES:
+        raise ValueError(
+            f"autocast(dtype={dtype!r}): dtype must be jnp.float16 or jnp.bfloat16, "
+            "the precision that matrix products run in. To run a region in float32, "
+            "use autocast(fun, enabled=False).")
+    return resolved
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def autocast(fun: Callable | None = None, *, dtype=jnp.float16, enabled: bool = True):
+    """Runs `fun` in mixed precision, like ``torch.autocast``.
+
+    Matrix products and convolutions run in `dtype`; transcendental functions and
+    reductions run in float32; operations with several floating inputs run in the
+    widest of them; everything else runs in the dtype it receives. The tables are
+    in `mpjax.policy`. Results keep the dtypes `fun` returns without autocast, so
+    ``autocast(fun)`` is a drop-in replacement for `fun`.
+
+    Array arguments are traced; every other leaf of the arguments (Python bools,
+    ints, floats, strings) is passed to `fun` as it is, so it may steer Python
+    control flow.
+
+    Calls nest: inside an autocast function, ``autocast(g, enabled=False)`` runs
+    `g` exactly as written and ``autocast(g, dtype=jnp.bfloat16)`` runs it in
+    bfloat16.
+
+    Args:
+      fun: the function to transform. Omit it to use ``autocast(dtype=...)`` as a
+        decorator.
+      dtype: ``jnp.float16`` (default) or ``jnp.bfloat16``.
+      enabled: if False, `fun` runs as written (and so does any region nested in
+        it that does not enable autocast again).
+
+    Returns:
+      A function with the signature of `fun`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, mpjax
+      >>> def loss(w, x):
+      ...     return jnp.mean(jnp.tanh(x @ w) ** 2)
+      >>> w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
+      >>> grads = jax.grad(mpjax.autocast(loss))(w, x)
+      >>> grads.dtype  # gradients of float32 parameters stay float32
+      dtype('float32')
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"autocast(enabled={enabled!r}): enabled must be a Python bool.")
+    low = _check_dtype(dtype)
+    if fun is None:
+        return functools.partial(autocast, dtype=low, enabled=enabled)
+    if not callable(fun):
+        raise TypeError(
+            f"autocast(fun): fun must be callable, got {type(fun).__name__}. Wrap the "
+            "function that computes your loss: autocast(loss_fn)(params, batch), or use "
+            "@autocast / @autocast(dtype=jnp.bfloat16) as a decorator.")
+    region = Region(low if enabled else None)
+
+    @functools.wraps(fun)
+    def wrapped(*args, **kwargs):
+        with jax.named_scope(region.scope_name):
+            if not enabled:
+                return fun(*args, **kwargs)
+            return _autocast_call(fun, region, args, kwargs)
+
+    # Lets `audit` count the casts autocast adds. Stored with `wrapped` itself, since
+    # functools.wraps in other transforms (jax.grad) copies attributes onward.
+    wrapped.__mpjax_autocast__ = (wrapped, fun)
+    return wrapped
+
+
+_STATIC_HINT = (
+    "mpjax.autocast traces `fun` with its array arguments abstract, so Python "
+    "control flow (if, while, bool(), int()) must not depend on array values. Pass "
+    "such flags as Python bools or ints (autocast hands non-array arguments to `fun` "
+    "unchanged), close over them, or use lax.cond / jnp.where.")
+
+
+def _autocast_call(fun, region: Region, args, kwargs):
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+    def flat_fun(*dynamic_leaves):
+        full = list(leaves)
+        for i, x in zip(dynamic, dynamic_leaves):
+            full[i] = x
+        a, k = jax.tree.unflatten(treedef, full)
+        return fun(*a, **k)
+
+    dynamic_leaves = [leaves[i] for i in dynamic]
+    try:
+        closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dynamic_leaves)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
+            jax.errors.TracerIntegerConversionError) as e:
+        e.add_note(_STATIC_HINT)
+        raise
+    jaxpr, consts = _compat.jaxpr_and_consts(closed)
+    ctx = Context(region, Scope())
+    outs, _ = eval_jaxpr(ctx, jaxpr, consts, dynamic_leaves, [False] * len(dynamic_leaves))
+    out_leaves, out_tree = jax.tree.flatten(out_shape)
+    outs = [ctx.scope.cast(o, s.dtype) for o, s in zip(outs, out_leaves)]
+    return jax.tree.unflatten(out_tree, outs)

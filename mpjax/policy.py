@@ -1,0 +1,130 @@
+"""The autocast policy: which precision each JAX primitive runs in.
+
+The tables below are the whole policy. Each maps a primitive's *name* to a
+`Rule`; names, not primitive objects, so that a primitive one JAX version lacks
+(``log2``, ``polynomial``, ``ragged_dot``) costs nothing. Adding a primitive is one
+line in one table. Primitives in none of the tables run exactly as they were
+traced (`Rule.ORIGINAL`), which is always type-correct.
+
+Higher-order primitives (``jit``, ``scan``, ``while``, ``cond``, ``remat``,
+``custom_jvp_call``, ``shard_map``) are not policy: the interpreter recurses
+into them (see ``mpjax/interpreter.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+import numpy as np
+import jax.numpy as jnp
+
+
+class Rule(enum.Enum):
+    """What autocast does to a primitive's floating-point inputs."""
+
+    LOW = "low"
+    """Cast to the region's low-precision dtype; the result is low precision too."""
+    FLOAT32 = "float32"
+    """Cast to float32: numerically fragile (transcendental, accumulating)."""
+    WIDEST = "widest"
+    """Cast to the widest non-weak floating input, as torch's promote list."""
+    AS_RECEIVED = "as_received"
+    """Run in whatever dtype the inputs arrive in."""
+    ORIGINAL = "original"
+    """Cast back to the dtypes the program was traced with, run as written."""
+
+
+def _table(rule: Rule, names: Iterable[str]) -> dict[str, Rule]:
+    return {name: rule for name in names}
+
+
+# Matrix products and convolutions: the work tensor cores accelerate.
+LOW_PRECISION = _table(Rule.LOW, [
+    "dot_general",
+    "conv_general_dilated",
+    "ragged_dot",
+    "ragged_dot_general",
+])
+
+# Transcendentals that lose range or accuracy in 16 bits, and every reduction or
+# scan that accumulates. softmax, log_softmax, layer/RMS norm, mean/var and the
+# optax losses are float32 by composition of these.
+FLOAT32 = _table(Rule.FLOAT32, [
+    # exponentials and logarithms
+    "exp", "exp2", "expm1", "log", "log1p", "log2", "pow", "integer_pow",
+    "square", "rsqrt",
+    # trigonometric and hyperbolic functions torch keeps in float32
+    "tan", "sinh", "cosh", "asin", "acos",
+    # special functions
+    "erf", "erfc", "erf_inv", "lgamma", "digamma", "polygamma", "zeta",
+    "igamma", "igammac", "igamma_grad_a", "random_gamma_grad",
+    "regularized_incomplete_beta", "bessel_i0e", "bessel_i1e", "polynomial",
+    # accumulating reductions and scans
+    "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
+    "reduce_window_sum",
+])
+
+# Several floating inputs that must agree: promote to the widest.
+WIDEST = _table(Rule.WIDEST, [
+    "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "atan2",
+    "nextafter",
+    "eq", "ne", "lt", "le", "gt", "ge",
+    "select_n", "clamp", "concatenate", "pad",
+    "dynamic_update_slice",
+    "scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max",
+    "select_and_scatter_add", "select_and_gather_add",
+])
+
+# Dtype-polymorphic primitives that are safe in any precision: layout and
+# indexing, sign and rounding, bounded elementwise functions, comparisons of a
+# single operand, and collectives (which move data, not precision).
+AS_RECEIVED = _table(Rule.AS_RECEIVED, [
+    # layout and indexing
+    "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "rev",
+    "slice", "dynamic_slice", "gather", "copy", "copy_p", "split",
+    "sharding_constraint", "device_put", "mesh_cast", "reshard", "pvary",
+    "optimization_barrier", "stop_gradient", "reduce_precision", "iota",
+    # elementwise, bounded or exact in any precision
+    "neg", "abs", "sign", "floor", "ceil", "round", "is_finite", "sqrt", "cbrt",
+    "tanh", "logistic", "sin", "cos", "atan", "asinh", "acosh", "atanh",
+    "one_minus_square", "real", "imag", "conj",
+    "not", "and", "or", "xor", "shift_left", "shift_right_arithmetic",
+    "shift_right_logical", "population_count", "clz",
+    # selections and orderings: exact whatever the dtype
+    "reduce_max", "reduce_min", "reduce_and", "reduce_or", "reduce_xor",
+    "argmax", "argmin", "cummax", "cummin", "sort", "top_k", "approx_top_k",
+    "reduce_window_max", "reduce_window_min",
+    # collectives
+    "psum", "pmax", "pmin", "ppermute", "all_gather", "all_to_all",
+    "psum_scatter", "reduce_scatter", "axis_index", "pbroadcast",
+])
+
+POLICY: dict[str, Rule] = {**LOW_PRECISION, **FLOAT32, **WIDEST, **AS_RECEIVED}
+"""Every primitive with a rule; anything else is `Rule.ORIGINAL`."""
+
+assert len(POLICY) == (len(LOW_PRECISION) + len(FLOAT32) + len(WIDEST)
+                       + len(AS_RECEIVED)), "a primitive is in two tables"
+
+# The floating dtypes autocast moves between. float64 and everything else (ints,
+# bools, PRNG keys, fp8) is never touched.
+CASTABLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
+LOW_DTYPES = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16))
+
+
+def rule_for(primitive_name: str) -> Rule:
+    """The rule autocast applies to a primitive, by name."""
+    return POLICY.get(primitive_name, Rule.ORIGINAL)
+
+
+def is_castable(dtype) -> bool:
+    """Whether autocast may change a value of this dtype."""
+    return np.dtype(dtype) in CASTABLE
+
+
+def widest(dtypes: Iterable) -> np.dtype | None:
+    """The narrowest dtype that holds all of `dtypes` (float16 + bfloat16 -> float32)."""
+    out = None
+    for d in dtypes:
+        out = np.dtype(d) if out is None else np.dtype(jnp.promote_types(out, d))
+    return out
