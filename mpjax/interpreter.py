@@ -54,8 +54,8 @@ def region_of(eqn, outer: Region) -> Region:
     return Region(None if found[-1] == "off" else np.dtype(found[-1]))
 
 
-def dtype_of(x) -> np.dtype:
-    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+def dtype_of(x):
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
 def _convert(x, dtype: np.dtype, saturate: bool):
@@ -299,8 +299,7 @@ def _cond(ctx: Context, eqn, vals, weak):
     return list(lax.switch(index, [branch_fn(b, out_dtypes) for b in branches], *ops))
 
 
-def _join(dtypes) -> np.dtype:
-    dtypes = [np.dtype(d) for d in dtypes]
+def _join(dtypes):
     if all(d == dtypes[0] for d in dtypes):
         return dtypes[0]
     return policy.widest(dtypes)
@@ -320,7 +319,6 @@ def _fix_carry(ctx: Context, init, init_weak, probe) -> tuple[list, Scope]:
         out_dtypes, scope = probe(dtypes)
         new = []
         for d, o, w in zip(dtypes, out_dtypes, init_weak):
-            o = np.dtype(o)
             if d == o or not (policy.is_castable(d) and policy.is_castable(o)):
                 new.append(d)
             elif w and step == 0:

@@ -119,7 +119,10 @@ def rule_for(primitive_name: str) -> Rule:
 
 def is_castable(dtype) -> bool:
     """Whether autocast may change a value of this dtype."""
-    return np.dtype(dtype) in CASTABLE
+    try:
+        return np.dtype(dtype) in CASTABLE
+    except TypeError:  # extended dtypes: PRNG keys
+        return False
 
 
 def widest(dtypes: Iterable) -> np.dtype | None:

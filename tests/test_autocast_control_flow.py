@@ -1,0 +1,298 @@
+"""autocast through loops, branches, remat, custom derivatives and shard_map."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import mpjax
+from conftest import F16, F32, all_eqns, assert_obeys_policy, rel_tol
+
+
+def _w(*shape, seed=0):
+    return 0.3 * jax.random.normal(jax.random.key(seed), shape)
+
+
+def _eqns(fun, *args, name=None):
+    eqns = list(all_eqns(jax.make_jaxpr(fun)(*args)))
+    return eqns if name is None else [e for e in eqns if e.primitive.name == name]
+
+
+def _check(f, *args, low=F16, reverse=True):
+    """Policy on every equation; value and derivative close to float32."""
+    g = mpjax.autocast(f, dtype=low)
+    assert_obeys_policy(jax.make_jaxpr(g)(*args), low)
+    np.testing.assert_allclose(jax.jit(g)(*args), f(*args), rtol=rel_tol(low), atol=1e-3)
+    if reverse:
+        got, want = jax.jit(jax.grad(g))(*args), jax.grad(f)(*args)
+    else:  # while loops: forward mode only
+        tangents = tuple(jnp.ones_like(a) for a in args)
+        got, want = jax.jit(lambda *a: jax.jvp(g, a, tangents)[1])(*args), jax.jvp(f, args, tangents)[1]
+    assert got.dtype == want.dtype == F32
+    np.testing.assert_allclose(got, want, rtol=4 * rel_tol(low), atol=1e-2)
+
+
+def test_while_loop(low):
+    def f(w, x):
+        def body(c):
+            i, h = c
+            return i + 1, jnp.tanh(h @ w)
+        return lax.while_loop(lambda c: c[0] < 4, body, (0, x))[1].sum()
+
+    _check(f, _w(5, 5), _w(3, 5, seed=1), low=low, reverse=False)
+    (loop,) = _eqns(mpjax.autocast(f, dtype=low), _w(5, 5), _w(3, 5), name="while")
+    body_dots = [e for e in all_eqns(loop.params["body_jaxpr"]) if e.primitive.name == "dot_general"]
+    assert [e.outvars[0].aval.dtype for e in body_dots] == [low]
+
+
+def test_fori_loop_with_dynamic_bounds():
+    def f(w, x, n):
+        return lax.fori_loop(0, n, lambda i, h: jnp.sin(h @ w), x).sum()
+
+    g = mpjax.autocast(f)
+    np.testing.assert_allclose(jax.jit(g)(_w(4, 4), _w(2, 4), 3), f(_w(4, 4), _w(2, 4), 3),
+                               rtol=2e-2)
+
+
+def test_cond_branches_agree_on_dtypes(low):
+    def f(w, x, flag):
+        return lax.cond(flag, lambda: (x @ w).sum(), lambda: jnp.exp(x).sum() + w.sum())
+
+    w, x = _w(4, 3), _w(2, 4, seed=1)
+    for flag in (True, False):
+        _check(lambda w: f(w, x, flag), w, low=low)
+    (cond,) = _eqns(mpjax.autocast(f, dtype=low), w, x, True, name="cond")
+    assert cond.outvars[0].aval.dtype == F32
+
+
+def test_switch_with_low_precision_outputs_is_joined():
+    def f(x, i):
+        return lax.switch(i, [lambda x: x @ x, lambda x: jnp.exp(x), lambda x: x], x)
+
+    x = _w(3, 3)
+    for i in range(3):
+        np.testing.assert_allclose(jax.jit(mpjax.autocast(f))(x, i), f(x, i), rtol=2e-2, atol=1e-3)
+    (cond,) = _eqns(mpjax.autocast(f), x, 0, name="cond")
+    assert cond.outvars[0].aval.dtype == F32  # f16 @ vs f32 exp vs f32 identity
+
+
+def test_rnn_carry_started_from_zeros_stays_low_precision():
+    def f(wx, wh, xs):
+        def step(h, x):
+            h = jnp.tanh(x @ wx + h @ wh)
+            return h, None
+        return lax.scan(step, jnp.zeros(wh.shape[0]), xs)[0].sum()
+
+    args = _w(3, 6), _w(6, 6, seed=1), _w(5, 3, seed=2)
+    _check(f, *args)
+    (scan,) = _eqns(mpjax.autocast(f), *args, name="scan")
+    carry = scan.outvars[0].aval
+    assert carry.dtype == F16
+
+
+def test_float32_carry_keeps_its_precision():
+    # A strong float32 accumulator is never narrowed: the sum stays exact.
+    def f(w, xs):
+        return lax.scan(lambda acc, x: (acc + (x @ w).sum(), None), jnp.float32(0) + w[0, 0], xs)[0]
+
+    (scan,) = _eqns(mpjax.autocast(f), _w(3, 3), _w(4, 3), name="scan")
+    assert scan.outvars[0].aval.dtype == F32
+
+
+def _braced(text, i):
+    """From `i`, the text up to the brace matching the first "{", and chained "do {"."""
+    depth, j = 0, text.index("{", i)
+    while True:
+        closing = text[j] == "}"
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        j += 1
+        if closing and depth == 0 and not text[j:].lstrip().startswith("do"):
+            return text[i:j]
+
+
+def _while_regions(text):
+    """The text each stablehlo.while runs per iteration, called functions included."""
+    functions = {m.group(1): _braced(text, m.start())
+                 for m in re.finditer(r"func\.func \w+ @([\w.$-]+)\(", text)}
+    regions = []
+    for m in re.finditer(r"stablehlo\.while", text):
+        region, seen = _braced(text, m.start()), set()
+        todo = re.findall(r"call @([\w.$-]+)", region)
+        while todo:
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                region += functions[name]
+                todo += re.findall(r"call @([\w.$-]+)", functions[name])
+        regions.append(region)
+    return regions
+
+
+@pytest.mark.parametrize("kind", ["const", "stacked"])
+def test_scanned_weight_is_cast_once_outside_the_loop(kind):
+    """The counterpart of torch's cast cache: no per-iteration weight converts."""
+    w = _w(7, 7) if kind == "const" else _w(5, 7, 7)
+
+    def f(w, x):
+        if kind == "const":
+            return lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=5)[0].sum()
+        return lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0].sum()
+
+    x = _w(2, 7, seed=1)
+    text = jax.jit(mpjax.autocast(f)).lower(w, x).as_text()
+    weight = r"tensor<(5x)?7x7xf32>\) -> tensor<(5x)?7x7xf16>"
+    converts = re.findall(r"stablehlo.convert .*", text)
+    assert sum(bool(re.search(weight, c)) for c in converts) == 1, converts
+    loops = _while_regions(text)
+    assert loops and not any(re.search(r"convert .*7x7xf32>\) -> tensor<7x7xf16>", r) for r in loops)
+    # Under grad as well: the backward loop reuses the cast weight.
+    text = jax.jit(jax.grad(mpjax.autocast(f))).lower(w, x).as_text()
+    assert not any(re.search(r"convert .*7x7xf32>\) -> tensor<7x7xf16>", r)
+                   for r in _while_regions(text))
+
+
+def test_weight_used_twice_is_cast_once():
+    def f(w, x):
+        return jnp.sum((x @ w) @ w) + jnp.sum(jax.jit(lambda a: a @ w)(x))
+
+    converts = [e for e in _eqns(mpjax.autocast(f), _w(4, 4), _w(2, 4), name="convert_element_type")
+                if e.invars[0].aval.shape == (4, 4)]
+    assert len(converts) == 1
+
+
+def test_checkpoint_keeps_policy_and_is_autocast(low):
+    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+    def f(w, x):
+        return jax.checkpoint(lambda w, x: jnp.sum(jnp.sin(x @ w) ** 2), policy=policy)(w, x)
+
+    _check(lambda w: f(w, _w(3, 4, seed=1)), _w(4, 4), low=low)
+    (remat,) = _eqns(mpjax.autocast(f, dtype=low), _w(4, 4), _w(3, 4), name="remat2")
+    assert remat.params["policy"] is policy
+    dots = [e for e in all_eqns(remat.params["jaxpr"]) if e.primitive.name == "dot_general"]
+    assert dots and all(e.outvars[0].aval.dtype == low for e in dots)
+
+
+@pytest.mark.parametrize("act", [jax.nn.relu, jax.nn.softplus, jax.nn.silu, jax.nn.gelu],
+                         ids=["relu", "softplus", "silu", "gelu"])
+def test_library_custom_jvp_activations(act, low):
+    _check(lambda w, x=_w(3, 4, seed=1): jnp.sum(act(x @ w)), _w(4, 4), low=low)
+
+
+def test_relu_stays_in_low_precision():
+    jaxpr = jax.make_jaxpr(mpjax.autocast(lambda w: jax.nn.relu(w @ w)))(_w(3, 3))
+    (cj,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "custom_jvp_call"]
+    assert cj.outvars[0].aval.dtype == F16
+
+
+def test_user_custom_jvp_rule_is_kept_and_autocast():
+    @jax.custom_jvp
+    def clipped_exp(x):
+        return jnp.exp(jnp.minimum(x, 5.0))
+
+    @clipped_exp.defjvp
+    def clipped_exp_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        y = clipped_exp(x)
+        return y, 0.5 * y * t  # deliberately not the true derivative: must be kept
+
+    def f(w, x):
+        return jnp.sum(clipped_exp(x @ w))
+
+    w, x = _w(4, 4), _w(2, 4, seed=1)
+    got = jax.grad(mpjax.autocast(f))(w, x)
+    want = jax.grad(f)(w, x)
+    np.testing.assert_allclose(got, want, rtol=3e-2, atol=1e-3)
+    assert got.dtype == F32
+    # The rule's own equations follow the policy (its exp runs in float32).
+    jaxpr = jax.make_jaxpr(jax.grad(mpjax.autocast(f)))(w, x)
+    assert all(e.outvars[0].aval.dtype == F32 for e in all_eqns(jaxpr) if e.primitive.name == "exp")
+
+
+def test_custom_vjp_runs_as_written():
+    @jax.custom_vjp
+    def scaled_identity(x):
+        return x
+
+    scaled_identity.defvjp(lambda x: (x, None), lambda _, g: (3.0 * g,))
+
+    def f(w, x):
+        return jnp.sum(scaled_identity(x @ w) * x[:, :1])
+
+    w, x = _w(4, 4), _w(2, 4, seed=1)
+    (call,) = _eqns(mpjax.autocast(f), w, x, name="custom_vjp_call")
+    # Its inputs are cast back to the dtype it was traced with, so its rule is exact.
+    assert call.invars[0].aval.dtype == F32
+    got = jax.grad(mpjax.autocast(f))(w, x)
+    np.testing.assert_allclose(got, jax.grad(f)(w, x), rtol=2e-2, atol=1e-3)
+    assert got.dtype == F32
+
+
+def test_unknown_primitive_runs_at_its_original_dtypes():
+    def f(w, x):
+        a = x @ w
+        chol = jnp.linalg.cholesky(a @ a.T + 4 * jnp.eye(a.shape[0]))
+        return jnp.sum(chol)
+
+    w, x = _w(4, 4), _w(3, 4, seed=1)
+    (chol,) = _eqns(mpjax.autocast(f), w, x, name="cholesky")
+    assert chol.invars[0].aval.dtype == F32
+    np.testing.assert_allclose(mpjax.autocast(f)(w, x), f(w, x), rtol=2e-2)
+
+
+def test_pure_callback_sees_its_traced_dtype():
+    seen = []
+
+    def host(x):
+        seen.append(x.dtype)
+        return np.asarray(x) * 2
+
+    def f(w, x):
+        h = x @ w
+        return jax.pure_callback(host, jax.ShapeDtypeStruct(h.shape, h.dtype), h).sum()
+
+    jax.jit(mpjax.autocast(f))(_w(3, 3), _w(2, 3))
+    assert seen == [F32]
+
+
+def test_scatter_add_in_low_precision_compiles():
+    def f(w, x, idx):
+        h = x @ w
+        return jnp.zeros_like(h).at[idx].add(h).sum()
+
+    w, x = _w(3, 3), _w(4, 3, seed=1)
+    idx = jnp.array([0, 0, 2, 3])
+    (scatter,) = _eqns(mpjax.autocast(f), w, x, idx, name="scatter-add")
+    assert scatter.outvars[0].aval.dtype == F16
+    np.testing.assert_allclose(jax.jit(mpjax.autocast(f))(w, x, idx), f(w, x, idx), rtol=2e-2)
+
+
+def test_shard_map_inside_autocast():
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
+
+    def f(w, x):
+        def local(w, x):
+            return lax.psum(jnp.sum(jnp.tanh(x @ w)), "d")
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("d")), out_specs=P())(w, x)
+
+    w, x = _w(4, 4), _w(2, 4, seed=1)
+    (sm,) = _eqns(mpjax.autocast(f), w, x, name="shard_map")
+    dots = [e for e in all_eqns(sm.params["jaxpr"]) if e.primitive.name == "dot_general"]
+    assert [e.outvars[0].aval.dtype for e in dots] == [F16]
+    np.testing.assert_allclose(jax.jit(mpjax.autocast(f))(w, x), f(w, x), rtol=2e-2)
+    np.testing.assert_allclose(jax.grad(mpjax.autocast(f))(w, x), jax.grad(f)(w, x),
+                               rtol=5e-2, atol=1e-3)
+
+
+def test_autocast_inside_shard_map():
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
+    body = mpjax.autocast(lambda w, x: lax.psum(jnp.sum(jnp.tanh(x @ w)), "d"))
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
+    w, x = _w(4, 4), _w(2, 4, seed=1)
+    dots = _eqns(f, w, x, name="dot_general")
+    assert [e.outvars[0].aval.dtype for e in dots] == [F16]
+    np.testing.assert_allclose(jax.jit(f)(w, x), jnp.sum(jnp.tanh(x @ w)), rtol=2e-2)

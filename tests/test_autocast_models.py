@@ -1,0 +1,78 @@
+"""autocast on whole models: dtype of every equation, and numbers against float32."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpjax
+from conftest import F32, all_eqns, assert_obeys_policy, rel_tol
+from models import model_cases
+
+CASES = model_cases()
+IDS = [c[0] for c in CASES]
+
+
+@pytest.mark.parametrize("name,loss,params,inputs", CASES, ids=IDS)
+def test_every_equation_obeys_policy(name, loss, params, inputs, low):
+    jaxpr = jax.make_jaxpr(mpjax.autocast(loss, dtype=low))(params, *inputs)
+    by_name = assert_obeys_policy(jaxpr, low)
+    matmuls = by_name.get("dot_general", []) + by_name.get("conv_general_dilated", [])
+    assert matmuls, "every model has matrix products"
+    # The loss is returned in float32, as the function returns it without autocast.
+    assert jaxpr.out_avals[0].dtype == F32
+
+
+@pytest.mark.parametrize("name,loss,params,inputs", CASES, ids=IDS)
+def test_loss_and_grads_close_to_float32(name, loss, params, inputs, low):
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss))(params, *inputs)
+    out_loss, grads = jax.jit(jax.value_and_grad(mpjax.autocast(loss, dtype=low)))(params, *inputs)
+    assert out_loss.dtype == F32
+    np.testing.assert_allclose(out_loss, ref_loss, rtol=rel_tol(low))
+    # Gradients of float32 parameters are float32, whatever ran inside.
+    chex.assert_trees_all_equal_dtypes(grads, params)
+    # Compare each gradient in norm: elementwise relative error of tiny entries is noise.
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        err = float(jnp.linalg.norm(g - r) / (jnp.linalg.norm(r) + 1e-6))
+        assert err < 4 * rel_tol(low), (name, err)
+
+
+@pytest.mark.parametrize("name,loss,params,inputs", CASES, ids=IDS)
+def test_backward_matmuls_run_in_low_precision(name, loss, params, inputs, low):
+    jaxpr = jax.make_jaxpr(jax.grad(mpjax.autocast(loss, dtype=low)))(params, *inputs)
+    matmuls = [e for e in all_eqns(jaxpr)
+               if e.primitive.name in ("dot_general", "conv_general_dilated")]
+    forward = [e for e in all_eqns(jax.make_jaxpr(loss)(params, *inputs))
+               if e.primitive.name in ("dot_general", "conv_general_dilated")]
+    assert len(matmuls) > len(forward), "the backward pass has its own products"
+    for e in matmuls:
+        assert {v.aval.dtype for v in e.invars} == {low}, e
+        assert e.outvars[0].aval.dtype == low, e
+    report = mpjax.audit(jax.grad(mpjax.autocast(loss, dtype=low)), params, *inputs)
+    assert report.low_precision_fraction == 1.0
+
+
+def test_transformer_attention_details(low):
+    _, loss, params, (tokens,) = CASES[2]
+    jaxpr = jax.make_jaxpr(mpjax.autocast(loss, dtype=low))(params, tokens)
+    eqns = list(all_eqns(jaxpr))
+    # The -1e9 mask is a weak literal: the masked scores stay in low precision,
+    # so the [B, H, T, T] select does not double in size.
+    selects = [e for e in eqns if e.primitive.name == "select_n"
+               and len(e.outvars[0].aval.shape) == 4]
+    assert selects and all(e.outvars[0].aval.dtype == low for e in selects)
+    # softmax, layer norm and the loss accumulate in float32.
+    assert all(e.outvars[0].aval.dtype == F32 for e in eqns if e.primitive.name in
+               ("exp", "reduce_sum", "rsqrt", "log", "integer_pow", "square"))
+
+
+def test_masked_attention_fully_masked_row_stays_finite():
+    # -1e9 overflows float16 to -inf; autocast saturates weak constants instead.
+    def f(scores, mask):
+        return jax.nn.softmax(jnp.where(mask, scores, -1e9), -1)
+
+    scores = jnp.ones((2, 4))
+    mask = jnp.array([[True, True, False, False], [False] * 4])
+    out = jax.jit(mpjax.autocast(f))(scores, mask)
+    np.testing.assert_allclose(out, f(scores, mask), atol=1e-3)
