@@ -9,7 +9,36 @@
 from mpjax.audit import AuditReport, Equation, audit
 from mpjax.interpreter import autocast
 from mpjax.policy import Rule, rule_for
+from mpjax.scaler import (
+    GradScalerState,
+    get_scale,
+    grad_scaler,
+    noop_scaler,
+    scale_loss,
+    scaled_value_and_grad,
+    scaler_stats,
+    set_scale,
+    static_scaler,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["autocast", "audit", "AuditReport", "Equation", "Rule", "rule_for"]
+__all__ = [
+    # autocast
+    "autocast",
+    "audit",
+    "AuditReport",
+    "Equation",
+    "Rule",
+    "rule_for",
+    # loss scaling
+    "grad_scaler",
+    "static_scaler",
+    "noop_scaler",
+    "GradScalerState",
+    "get_scale",
+    "set_scale",
+    "scale_loss",
+    "scaled_value_and_grad",
+    "scaler_stats",
+]

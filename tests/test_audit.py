@@ -1,0 +1,64 @@
+"""mpjax.audit: the report users debug precision with."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import mpjax
+
+
+def test_report_lists_dtypes_casts_and_flops():
+    def f(w, x):
+        return jnp.sum(jnp.exp(x @ w))
+
+    w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
+    report = mpjax.audit(mpjax.autocast(f), w, x)
+    (dot,) = report.find("dot_general")
+    assert dot.in_dtypes == ("float16", "float16") and dot.out_dtypes == ("float16",)
+    assert "test_audit.py" in dot.source
+    assert report.find("exp")[0].in_dtypes == ("float32",)
+    assert report.matmul_flops == 2 * 2 * 4 * 3
+    assert report.low_precision_fraction == 1.0
+    assert report.float_casts == report.casts_inserted == 3   # w, x down; the product up
+    text = str(report)
+    assert "dot_general" in text and "float16, float16 -> float16" in text
+    assert "100.0%" in text
+
+
+def test_disabled_region_shows_in_the_flop_share():
+    def f(w, x):
+        h = x @ w
+        return mpjax.autocast(lambda h: h @ w.T, enabled=False)(h)
+
+    report = mpjax.audit(mpjax.autocast(f), jnp.ones((8, 8)), jnp.ones((2, 8)))
+    assert report.low_precision_fraction == pytest.approx(0.5)
+
+
+def test_scan_flops_count_every_iteration_and_paths_nest():
+    def f(w, xs):
+        return lax.scan(lambda h, x: (jnp.tanh(h @ w + x), None), xs[0], xs)[0]
+
+    report = mpjax.audit(mpjax.autocast(f), jnp.ones((4, 4)), jnp.ones((5, 2, 4)))
+    assert report.matmul_flops == 5 * 2 * 2 * 4 * 4
+    assert report.find("dot_general")[0].path == "scan"
+
+
+def test_conv_flops():
+    def f(x, k):
+        return lax.conv_general_dilated(x, k, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    report = mpjax.audit(f, jnp.ones((1, 5, 5, 3)), jnp.ones((3, 3, 3, 8)))
+    assert report.matmul_flops == 2 * (3 * 3 * 8) * (3 * 3 * 3)
+    assert report.low_precision_fraction == 0.0 and report.casts_inserted is None
+
+
+def test_audit_of_a_gradient_is_not_confused_with_the_autocast_function():
+    report = mpjax.audit(jax.grad(mpjax.autocast(lambda w: jnp.sum(w @ w))), jnp.ones((3, 3)))
+    assert report.casts_inserted is None
+    assert report.low_precision_fraction == 1.0
+
+
+def test_audit_rejects_non_callables():
+    with pytest.raises(TypeError, match="audit\\(fun, ...\\): fun must be callable"):
+        mpjax.audit("f", 1)

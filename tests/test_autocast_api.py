@@ -1,0 +1,276 @@
+"""The autocast API: call forms, pytrees, dtypes kept, regions, transforms, errors."""
+
+import functools
+import traceback
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpjax
+from conftest import BF16, F16, F32, all_eqns, rel_tol
+
+
+def _w(*shape, seed=0):
+    return 0.3 * jax.random.normal(jax.random.key(seed), shape)
+
+
+def _dots(fun, *args, **kwargs):
+    return [e for e in all_eqns(jax.make_jaxpr(fun)(*args, **kwargs))
+            if e.primitive.name == "dot_general"]
+
+
+def _out_dtypes(eqns):
+    return [e.outvars[0].aval.dtype for e in eqns]
+
+
+# --- call forms and pytrees ------------------------------------------------------
+
+
+def _mm(a, b):
+    return a @ b
+
+
+@pytest.mark.parametrize("make", [
+    lambda: mpjax.autocast(_mm),
+    lambda: mpjax.autocast(_mm, dtype=jnp.bfloat16),
+    lambda: mpjax.autocast()(_mm),
+    lambda: mpjax.autocast(dtype="bfloat16")(_mm),
+], ids=["plain", "dtype", "decorator", "decorator-dtype"])
+def test_call_forms(make):
+    f = make()
+    assert f.__name__ == "_mm"
+    assert _out_dtypes(_dots(f, _w(2, 2), _w(2, 2)))[0] in (F16, BF16)
+
+
+def test_decorator_syntax():
+    @mpjax.autocast
+    def f(a):
+        return a @ a
+
+    @mpjax.autocast(dtype=jnp.bfloat16)
+    def g(a):
+        return a @ a
+
+    assert _out_dtypes(_dots(f, _w(2, 2))) == [F16]
+    assert _out_dtypes(_dots(g, _w(2, 2))) == [BF16]
+
+
+def test_pytree_arguments_keyword_arguments_and_results():
+    def f(params, x, *, scale, training):
+        h = x @ params["w"] * scale
+        if training:  # a Python bool steers Python control flow
+            h = h + 1.0
+        return {"out": h, "aux": (params["b"], jnp.sum(h))}
+
+    params = {"w": _w(3, 3), "b": jnp.arange(3)}
+    got = mpjax.autocast(f)(params, _w(2, 3), scale=2.0, training=True)
+    want = f(params, _w(2, 3), scale=2.0, training=True)
+    chex.assert_trees_all_equal_structs(got, want)
+    chex.assert_trees_all_equal_dtypes(got, want)  # results keep their dtypes
+    chex.assert_trees_all_close(got, want, rtol=2e-2, atol=1e-2)
+
+
+def test_results_keep_dtypes_even_half_inputs():
+    # A function of float16 data that returns float16 still returns float16.
+    f = mpjax.autocast(lambda x: jnp.exp(x) @ x)
+    assert f(jnp.ones((2, 2), jnp.float16)).dtype == F16
+
+
+# --- what is and is not cast ------------------------------------------------------
+
+
+def test_weak_constants_do_not_widen():
+    def f(w, x):
+        h = x @ w
+        return 0.5 * h + 1.0, jnp.where(h > 0, h, -1e9), h + jnp.arange(3.0)
+
+    eqns = list(all_eqns(jax.make_jaxpr(mpjax.autocast(f, dtype=jnp.bfloat16))(_w(3, 3), _w(2, 3))))
+    for name in ("mul", "add", "select_n"):
+        assert all(e.outvars[0].aval.dtype == BF16 for e in eqns if e.primitive.name == name), name
+
+
+def test_strong_float32_input_widens():
+    def f(w, x, bias):
+        return x @ w + bias
+
+    (add,) = [e for e in all_eqns(jax.make_jaxpr(mpjax.autocast(f))(_w(3, 3), _w(2, 3), _w(3)))
+              if e.primitive.name == "add"]
+    assert [v.aval.dtype for v in add.invars] == [F32, F32]
+
+
+def test_float16_and_bfloat16_inputs_meet_at_float32():
+    f = mpjax.autocast(lambda a, b: a * b)
+    assert f(jnp.ones(2, jnp.float16), jnp.ones(2, jnp.bfloat16)).dtype == F32
+    jaxpr = jax.make_jaxpr(f)(jnp.ones(2, jnp.float16), jnp.ones(2, jnp.bfloat16))
+    (mul,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "mul"]
+    assert [v.aval.dtype for v in mul.invars] == [F32, F32]
+
+
+def test_explicit_user_casts_are_respected():
+    def f(w, x16):
+        up = jnp.tanh(x16.astype(jnp.float32))          # float16 data, upcast by the user
+        down = jnp.sin(jnp.exp(x16 @ w).astype(jnp.float16))  # float32 exp, downcast by the user
+        return up, down
+
+    jaxpr = jax.make_jaxpr(mpjax.autocast(f))(_w(3, 3), _w(2, 3).astype(jnp.float16))
+    eqns = list(all_eqns(jaxpr))
+    assert _out_dtypes([e for e in eqns if e.primitive.name == "tanh"]) == [F32]
+    assert _out_dtypes([e for e in eqns if e.primitive.name == "exp"]) == [F32]
+    assert _out_dtypes([e for e in eqns if e.primitive.name == "sin"]) == [F16]
+
+
+def test_integers_bools_and_keys_are_untouched():
+    def f(w, idx, key, flags):
+        noise = jax.random.normal(key, w.shape)
+        rows = w[idx] @ w
+        return jnp.sum(rows) + jnp.sum(noise * flags), jnp.cumsum(idx), idx * 2
+
+    args = (_w(4, 4), jnp.array([0, 2]), jax.random.key(1), jnp.array([True, False, True, True]))
+    got = jax.jit(mpjax.autocast(f))(*args)
+    want = f(*args)
+    chex.assert_trees_all_equal_dtypes(got, want)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[2], want[2])
+
+
+def test_float64_is_never_touched():
+    with jax.enable_x64(True):
+        x = jnp.ones((3, 3), jnp.float64)
+        f = lambda a: jnp.exp(a @ a).sum()
+        eqns = list(all_eqns(jax.make_jaxpr(mpjax.autocast(f))(x)))
+        assert all(v.aval.dtype == np.float64 for e in eqns for v in e.outvars)
+        assert not [e for e in eqns if e.primitive.name == "convert_element_type"]
+
+
+# --- nested regions ---------------------------------------------------------------
+
+
+def test_disabled_region_runs_as_written():
+    def g(h, w):
+        return h @ w   # traced with float32 inputs
+
+    def f(w, x):
+        h = x @ w
+        return mpjax.autocast(g, enabled=False)(h, w) @ w
+
+    dots = _dots(mpjax.autocast(f), _w(3, 3), _w(2, 3))
+    assert _out_dtypes(dots) == [F16, F32, F16]
+    assert [v.aval.dtype for v in dots[1].invars] == [F32, F32]  # inputs cast back
+
+
+def test_inner_region_with_another_dtype_overrides():
+    def f(w, x):
+        inner = mpjax.autocast(lambda h: jnp.tanh(h @ w), dtype=jnp.bfloat16)
+        return inner(x @ w) @ w
+
+    dots = _dots(mpjax.autocast(f), _w(3, 3), _w(2, 3))
+    assert _out_dtypes(dots) == [F16, BF16, F16]
+    # ... and leaving it restores the outer region.
+    np.testing.assert_allclose(jax.jit(mpjax.autocast(f))(_w(3, 3), _w(2, 3)),
+                               f(_w(3, 3), _w(2, 3)), rtol=5e-2, atol=1e-2)
+
+
+def test_disabled_region_inside_nested_jit():
+    def f(w, x):
+        off = mpjax.autocast(lambda a: jnp.sin(a @ w), enabled=False)
+        return jax.jit(lambda a: off(a @ w))(x).sum()
+
+    dots = _dots(mpjax.autocast(f), _w(3, 3), _w(2, 3))
+    assert _out_dtypes(dots) == [F16, F32]
+
+
+def test_enabled_false_at_top_level_is_identity():
+    f = lambda a: jnp.exp(a @ a)
+    assert _out_dtypes(_dots(mpjax.autocast(f, enabled=False), _w(2, 2))) == [F32]
+
+
+# --- composition with transforms -----------------------------------------------------
+
+
+def _loss(w, x):
+    return jnp.sum(jax.nn.softmax(jnp.tanh(x @ w) @ w) ** 2)
+
+
+TRANSFORMS = {
+    "jit": lambda ac, f: jax.jit(ac(f)),
+    "grad": lambda ac, f: jax.grad(ac(f)),
+    "jit(grad)": lambda ac, f: jax.jit(jax.grad(ac(f))),
+    "grad(jit)": lambda ac, f: jax.grad(jax.jit(ac(f))),
+    "autocast(grad)": lambda ac, f: ac(jax.grad(f)),
+    "autocast(jit(grad))": lambda ac, f: ac(jax.jit(jax.grad(f))),
+    "value_and_grad": lambda ac, f: lambda w, x: jax.value_and_grad(ac(f))(w, x)[1],
+    "vmap": lambda ac, f: jax.vmap(ac(f), in_axes=(None, 0)),
+    "autocast(vmap)": lambda ac, f: ac(jax.vmap(f, in_axes=(None, 0))),
+    "vmap(grad)": lambda ac, f: jax.vmap(jax.grad(ac(f)), in_axes=(None, 0)),
+    "grad(vmap)": lambda ac, f: jax.grad(lambda w, x: jax.vmap(ac(f), (None, 0))(w, x).sum()),
+    "jvp": lambda ac, f: lambda w, x: jax.jvp(ac(f), (w, x), (jnp.ones_like(w), x))[1],
+    "autocast(jvp)": lambda ac, f: ac(lambda w, x: jax.jvp(f, (w, x), (jnp.ones_like(w), x))[1]),
+    "hessian-vector": lambda ac, f: lambda w, x: jax.jvp(jax.grad(ac(f)), (w, x),
+                                                          (jnp.ones_like(w), x))[1],
+}
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_composes_with_transforms(name, low):
+    make = TRANSFORMS[name]
+    w, x = _w(4, 4), _w(3, 4, seed=1)
+    if name.startswith(("vmap", "autocast(vmap)", "grad(vmap)")):
+        x = _w(5, 3, 4, seed=1)
+    got = make(functools.partial(mpjax.autocast, dtype=low), _loss)(w, x)
+    want = make(lambda f: f, _loss)(w, x)
+    chex.assert_trees_all_equal_dtypes(got, want)
+    chex.assert_trees_all_close(got, want, rtol=8 * rel_tol(low), atol=3e-2)
+    dots = _dots(make(functools.partial(mpjax.autocast, dtype=low), _loss), w, x)
+    assert dots and set(_out_dtypes(dots)) == {low}
+
+
+# --- errors --------------------------------------------------------------------------
+
+
+def test_non_callable_is_a_clear_type_error():
+    with pytest.raises(TypeError, match=r"autocast\(fun\): fun must be callable, got int"):
+        mpjax.autocast(3)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64, jnp.int8, "half-ish", None, 3])
+def test_bad_dtype_is_a_value_error_at_wrap_time(dtype):
+    with pytest.raises(ValueError, match=r"autocast\(dtype=.*jnp.float16 or jnp.bfloat16"):
+        mpjax.autocast(lambda x: x, dtype=dtype)
+
+
+def test_enabled_must_be_a_bool():
+    with pytest.raises(TypeError, match="enabled must be a Python bool"):
+        mpjax.autocast(lambda x: x, enabled=jnp.array(True))
+
+
+def test_python_scalars_are_static():
+    def f(x, n, training):
+        for _ in range(n):
+            x = x @ x
+        return x * 2 if training else x
+
+    out = mpjax.autocast(f)(_w(2, 2), 3, training=False)
+    np.testing.assert_allclose(out, f(_w(2, 2), 3, False), rtol=2e-2, atol=1e-3)
+
+
+def test_array_in_python_control_flow_explains_the_fix():
+    def f(x, flag):
+        return x * 2 if flag else x
+
+    with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+        mpjax.autocast(f)(_w(2), jnp.array(True))
+    assert "Pass such flags as Python bools or ints" in "".join(info.value.__notes__)
+
+
+def test_failures_are_reported_against_the_users_line():
+    def f(x, idx):
+        return jnp.sum(x @ x) + jax.pure_callback(lambda i: 1 / 0, jax.ShapeDtypeStruct((), jnp.float32), idx)
+
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(mpjax.autocast(f)(_w(2, 2), 0))
+    text = "".join(traceback.format_exception(info.value))
+    assert "test_autocast_api.py" in text
+    assert "mpjax.autocast, while evaluating `pure_callback`" in text
