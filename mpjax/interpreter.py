@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 
 from mpjax import _compat
+from mpjax import _nnx
 from mpjax import policy
 from mpjax.policy import Rule
 
@@ -90,9 +91,9 @@ class Scope:
         self._casts[(id(x), np.dtype(dtype))] = (x, cast_x)
 
     def cast(self, x, dtype, weak: bool = False):
-        dtype = np.dtype(dtype)
         if dtype_of(x) == dtype:
             return x
+        dtype = np.dtype(dtype)
         key = (id(x), dtype)
         scope = self
         while scope is not None:
@@ -481,7 +482,8 @@ def autocast(fun: Callable | None = None, *, dtype=jnp.float16, enabled: bool = 
 
     Array arguments are traced; every other leaf of the arguments (Python bools,
     ints, floats, strings) is passed to `fun` as it is, so it may steer Python
-    control flow.
+    control flow. Flax NNX modules may be passed too: what `fun` writes to them
+    (BatchNorm statistics, RNG counters) is kept, at the variables' own dtypes.
 
     Calls nest: inside an autocast function, ``autocast(g, enabled=False)`` runs
     `g` exactly as written and ``autocast(g, dtype=jnp.bfloat16)`` runs it in
@@ -523,6 +525,10 @@ def autocast(fun: Callable | None = None, *, dtype=jnp.float16, enabled: bool = 
         with jax.named_scope(region.scope_name):
             if not enabled:
                 return fun(*args, **kwargs)
+            if _nnx.has_nnx_objects((args, kwargs)):
+                return _nnx.call_with_state(
+                    lambda pure, state_args: _autocast_call(pure, region, state_args, {}),
+                    fun, args, kwargs)
             return _autocast_call(fun, region, args, kwargs)
 
     # Lets `audit` count the casts autocast adds. Stored with `wrapped` itself, since

@@ -1,0 +1,50 @@
+"""Flax NNX modules through `autocast`: their state updates are kept.
+
+A jaxpr interpreter sees only arrays, so writes to a module inside the traced
+function (BatchNorm statistics, RNG counters, any `nnx.Variable`) would happen on
+a throw-away copy. Here the arguments are split into (graphdef, state), the
+function is made pure (state in, new state out), and the new state is written
+back into the caller's modules, as `nnx.jit` does.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+
+def _is_nnx(x) -> bool:
+    return isinstance(x, (nnx.Module, nnx.Variable, nnx.Rngs)) or (
+        nnx.graph.is_graph_node(x) and not isinstance(x, (tuple, list, dict)))
+
+
+def has_nnx_objects(tree) -> bool:
+    """Whether the arguments hold NNX objects whose state autocast must carry."""
+    return any(_is_nnx(x) for x in jax.tree.leaves(tree, is_leaf=_is_nnx))
+
+
+def call_with_state(call, fun, args, kwargs):
+    """Runs ``call(pure_fun, state)`` and writes the new state into the modules.
+
+    `call` runs a pure function of one pytree argument (the autocast
+    interpreter); the state it returns keeps its original dtypes.
+    """
+    leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_nnx)
+    where = [i for i, x in enumerate(leaves) if _is_nnx(x)]
+    nodes = [leaves[i] for i in where]
+    graphdef, state = nnx.split(nodes)  # one split: modules shared between arguments stay shared
+
+    def pure(state, other_leaves):
+        new_nodes = nnx.merge(graphdef, state)
+        full = list(other_leaves)
+        for i, node in zip(where, new_nodes):
+            full[i] = node
+        a, k = jax.tree.unflatten(treedef, full)
+        out = fun(*a, **k)
+        return out, nnx.state(new_nodes)
+
+    others = [None if i in where else x for i, x in enumerate(leaves)]
+    out, new_state = call(pure, (state, others))
+    for i, node in enumerate(nodes):
+        nnx.update(node, new_state[i])
+    return out
