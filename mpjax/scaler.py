@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 # The default floor of the scale: the smallest normal float16. See `grad_scaler`.
-DEFAULT_MIN_SCALE = 2.0**-14
+_DEFAULT_MIN_SCALE = 2.0**-14
 _MIN_NORMAL_F32 = float(np.finfo(np.float32).tiny)  # 2**-126
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -57,8 +57,8 @@ class GradScalerState(NamedTuple):
 
   Attributes:
     scale: float32 scalar, the factor the loss is multiplied by.
-    growth_tracker: int32 scalar, consecutive finite (effective) steps since the
-      scale last changed or overflowed (torch's ``_growth_tracker``).
+    growth_tracker: int32 scalar, consecutive finite (effective) steps since
+      the last growth or skip (torch's ``_growth_tracker``).
     skipped_steps: int32 scalar, total number of (effective) steps skipped
       because their gradients were not finite.
     last_step_skipped: bool scalar, whether the latest effective step was
@@ -91,7 +91,7 @@ def grad_scaler(
     growth_factor: float = 2.0,
     backoff_factor: float = 0.5,
     growth_interval: int = 2000,
-    min_scale: float = DEFAULT_MIN_SCALE,
+    min_scale: float = _DEFAULT_MIN_SCALE,
     enabled: bool = True,
     accumulation_steps: int = 1,
     axis_name: Hashable | Sequence[Hashable] | None = None,
@@ -149,9 +149,9 @@ def grad_scaler(
       same structure, so checkpoints are interchangeable).
     accumulation_steps: number k of micro-batches per effective batch. Each
       ``update`` call then takes one micro-batch's scaled gradients; their sum
-      is kept in float32 (or wider) and on the k-th call their mean is unscaled,
-      checked and given to ``inner``, and the scale is updated, once per
-      effective batch. The other calls return zero updates and change neither
+      is kept in float32 (or wider) and on the k-th call their mean (the sum
+      times float32 ``1/k``) is unscaled, checked and given to ``inner``, and
+      the scale is updated, once per effective batch. The other calls return zero updates and change neither
       the scale nor ``inner``'s state. Unlike ``optax.MultiSteps``, the
       accumulator is reset by selection, so an inf in one effective batch cannot
       poison the next.
@@ -189,7 +189,9 @@ def grad_scaler(
   name = "grad_scaler"
   init_scale = _check_number(name, "init_scale", init_scale, "a finite number > 0",
                              lambda v: 0 < v < math.inf)
-  if not np.isfinite(np.float32(init_scale)):
+  with np.errstate(over="ignore"):
+    overflows = not np.isfinite(np.float32(init_scale))
+  if overflows:
     raise ValueError(f"{name}: init_scale={init_scale!r} overflows float32; "
                      f"it must be at most {float(np.finfo(np.float32).max)!r}.")
   growth_factor = _check_number(name, "growth_factor", growth_factor,
@@ -259,7 +261,9 @@ def static_scaler(
   scale = _check_number(name, "scale", scale,
                         "a finite float32 number >= 2**-126 (a normal float32)",
                         lambda v: _MIN_NORMAL_F32 <= v < math.inf)
-  if not np.isfinite(np.float32(scale)):
+  with np.errstate(over="ignore"):
+    overflows = not np.isfinite(np.float32(scale))
+  if overflows:
     raise ValueError(f"{name}: scale={scale!r} overflows float32; it must be at "
                      f"most {float(np.finfo(np.float32).max)!r}.")
   return _loss_scaler(
@@ -367,7 +371,9 @@ def _loss_scaler(
         return ref
       g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
       if divisor is not None:
-        g = g / divisor
+        # Written as the product XLA would turn a division by a constant into
+        # anyway, so the result is the same on every backend.
+        g = g * jnp.asarray(1.0 / divisor, g.dtype)
       if enabled:
         g = g * inv_scale
       return g.astype(ref.dtype)
@@ -382,18 +388,16 @@ def _loss_scaler(
         state.grad_accumulator, updates)
     micro_step = state.micro_step + 1
     last_micro_step = micro_step == k
-
-    def effective_step(state):
-      return step(unscale(total, updates, state, divisor=k), state, params, extra)
-
-    def hold(state):
-      return zero_updates, state
-
-    zero_updates = jax.tree.map(
-        lambda u: jnp.zeros(u.shape, u.dtype), jax.eval_shape(effective_step, state)[0])
-    # cond, not where: inner's (often costly) update runs once per effective
-    # batch, not once per micro-batch.
-    new_updates, new_state = lax.cond(last_micro_step, effective_step, hold, state)
+    step_updates, step_state = step(
+        unscale(total, updates, state, divisor=k), state, params, extra)
+    # Selection, as in optax.MultiSteps: inner's update is computed on every
+    # micro-batch and kept on the last. (lax.cond would skip that work, but
+    # inside shard_map its branches must agree on device variance, which the
+    # zeros of the other branch cannot know.)
+    new_updates = jax.tree.map(
+        lambda u: jnp.where(last_micro_step, u, jnp.zeros_like(u)), step_updates)
+    new_state = jax.tree.map(lambda new, old: jnp.where(last_micro_step, new, old),
+                             step_state, state)
     # Reset by selection: a multiplication (optax.MultiSteps) would turn an inf
     # into a NaN that poisons every later effective batch.
     accumulator = jax.tree.map(
@@ -742,8 +746,8 @@ def _find_state(opt_state: Any, caller: str) -> GradScalerState:
 
 def _value(field):
   """The array in a state field, unwrapping containers such as nnx Variables."""
-  leaves = jax.tree_util.tree_leaves(field)
-  return jnp.asarray(leaves[0]) if len(leaves) == 1 else jnp.asarray(field)
+  (leaf,) = jax.tree_util.tree_leaves(field)
+  return jnp.asarray(leaf)
 
 
 # --------------------------------------------------------------------------
