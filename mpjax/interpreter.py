@@ -34,17 +34,22 @@ from mpjax.policy import Rule
 
 _F32 = np.dtype(jnp.float32)
 _MARKER = "mpjax_autocast_"
-_MARKER_RE = re.compile(_MARKER + r"(off|float16|bfloat16)")
+_MARKER_RE = re.compile(_MARKER + r"(off|float16|bfloat16)(_lean)?")
+POLICIES = ("torch", "lean")
 
 
 class Region(NamedTuple):
-    """The autocast setting in force: the low dtype, or None when disabled."""
+    """The autocast setting in force: the low dtype (None when disabled), and
+    whether the memory-lean policy is on."""
 
     dtype: np.dtype | None
+    lean: bool = False
 
     @property
     def scope_name(self) -> str:
-        return _MARKER + ("off" if self.dtype is None else self.dtype.name)
+        if self.dtype is None:
+            return _MARKER + "off"
+        return _MARKER + self.dtype.name + ("_lean" if self.lean else "")
 
 
 def region_of(eqn, outer: Region) -> Region:
@@ -52,7 +57,8 @@ def region_of(eqn, outer: Region) -> Region:
     found = _MARKER_RE.findall(_compat.name_stack(eqn))
     if not found:
         return outer
-    return Region(None if found[-1] == "off" else np.dtype(found[-1]))
+    dtype, lean = found[-1]
+    return Region(None if dtype == "off" else np.dtype(dtype), bool(lean))
 
 
 def dtype_of(x):
@@ -112,6 +118,8 @@ class Scope:
 class Context(NamedTuple):
     region: Region
     scope: Scope
+    float32_only: frozenset = frozenset()
+    """Lean policy: the variables read only by float32-list primitives."""
 
     def child(self, invariant=()) -> Context:
         return self._replace(scope=Scope(self.scope, invariant))
@@ -134,6 +142,8 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
         env[v] = (c, False)
     for v, a, w in zip(jaxpr.invars, args, weak, strict=True):
         env[v] = (a, w)
+    if ctx.region.lean:
+        ctx = ctx._replace(float32_only=_float32_only_consumers(jaxpr))
     for eqn in jaxpr.eqns:
         vals, weaks = zip(*map(read, eqn.invars)) if eqn.invars else ((), ())
         eqn_ctx = ctx._replace(region=region_of(eqn, ctx.region))
@@ -153,6 +163,20 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
     return [list(t) for t in zip(*map(read, jaxpr.outvars))] if jaxpr.outvars else ([], [])
 
 
+def _float32_only_consumers(jaxpr) -> frozenset:
+    """The variables whose every reader is a float32-list primitive."""
+    readers: dict = {}
+    for eqn in jaxpr.eqns:
+        rule = policy.rule_for(eqn.primitive.name)
+        for v in eqn.invars:
+            if not isinstance(v, _compat.Literal):
+                readers.setdefault(v, set()).add(rule)
+    for v in jaxpr.outvars:
+        if not isinstance(v, _compat.Literal):
+            readers.setdefault(v, set()).add(None)
+    return frozenset(v for v, rules in readers.items() if rules == {Rule.FLOAT32})
+
+
 def _eval_closed(ctx: Context, closed, args, weak):
     jaxpr, consts = _compat.jaxpr_and_consts(closed)
     return eval_jaxpr(ctx, jaxpr, consts, args, weak)
@@ -162,7 +186,7 @@ def _eval_closed(ctx: Context, closed, args, weak):
 # First-order primitives: the policy tables
 
 
-def _targets(rule: Rule, eqn, vals, weak, low) -> list:
+def _targets(rule: Rule, eqn, vals, weak, low, lean=False) -> list:
     """The dtype each input is cast to (None: left as it is)."""
     dtypes = [dtype_of(x) for x in vals]
     castable = [policy.is_castable(d) for d in dtypes]
@@ -171,7 +195,13 @@ def _targets(rule: Rule, eqn, vals, weak, low) -> list:
     if rule is Rule.FLOAT32:
         return [_F32 if c else None for c in castable]
     if rule is Rule.WIDEST:
-        strong = [d for d, c, w in zip(dtypes, castable, weak) if c and not w]
+        strong = [(d, np.size(x)) for x, d, c, w in zip(vals, dtypes, castable, weak) if c and not w]
+        if lean and strong:
+            # The largest operand (the activation) sets the precision: a float32
+            # bias, scale or per-row statistic does not widen a [B, T, D] tensor.
+            largest = max(n for _, n in strong)
+            strong = [(d, n) for d, n in strong if n == largest]
+        strong = [d for d, _ in strong]
         target = policy.widest(strong) or policy.widest(
             d for d, c in zip(dtypes, castable) if c)
         return [target if c else None for c in castable]
@@ -185,8 +215,11 @@ def _first_order(ctx: Context, eqn, vals, weak):
     low = ctx.region.dtype
     if eqn.primitive.name == "convert_element_type":
         return _convert_rule(ctx, eqn, vals, weak)
-    rule = Rule.ORIGINAL if low is None else policy.rule_for(eqn.primitive.name)
-    targets = _targets(rule, eqn, vals, weak, low)
+    lean = ctx.region.lean
+    rule = Rule.ORIGINAL if low is None else policy.rule_for(eqn.primitive.name, lean=lean)
+    if lean and rule is Rule.FLOAT32 and any(dtype_of(x) in policy.LOW_DTYPES for x in vals):
+        return _float32_inside(ctx, eqn, vals, low)
+    targets = _targets(rule, eqn, vals, weak, low, lean)
     args = [x if t is None else ctx.scope.cast(x, t, w)
             for x, t, w in zip(vals, targets, weak)]
     updates = {}
@@ -197,6 +230,29 @@ def _first_order(ctx: Context, eqn, vals, weak):
     if "update_jaxpr" in eqn.params and args and dtype_of(args[0]) != eqn.invars[0].aval.dtype:
         updates.update(_compat.retype_scalar_jaxpr(eqn.params, dtype_of(args[0])))
     return _compat.bind(eqn, *args, **updates)
+
+
+def _float32_inside(ctx: Context, eqn, vals, low):
+    """Lean policy: a float32-list primitive on low-precision inputs.
+
+    It computes in float32 and hands `low` on, unless every reader is a
+    float32-list primitive too (``log1p(exp(x))`` stays float32 throughout). An
+    elementwise primitive is rematerialized, so its backward pass keeps only the
+    low-precision input, not float32 copies: the residuals of the hand-cast model.
+    A reduction's output is smaller than its input, so it stays float32.
+    """
+    in_size = max(np.size(x) for x in vals)
+    reduces = all(np.prod(v.aval.shape, dtype=int) < in_size for v in eqn.outvars)
+    keep_f32 = reduces or all(v in ctx.float32_only for v in eqn.outvars)
+
+    def compute(*xs):
+        xs = [_convert(x, _F32, False) if dtype_of(x) in policy.LOW_DTYPES else x for x in xs]
+        outs = _compat.bind(eqn, *xs)
+        return outs if keep_f32 else [_convert(o, low, False) for o in outs]
+
+    if reduces:  # linear: nothing float32 is kept for the backward pass anyway
+        return compute(*vals)
+    return list(jax.checkpoint(compute, prevent_cse=False)(*vals))
 
 
 def _convert_rule(ctx: Context, eqn, vals, weak):
@@ -471,7 +527,8 @@ def _is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def autocast(fun: Callable | None = None, *, dtype=jnp.float16, enabled: bool = True):
+def autocast(fun: Callable | None = None, *, dtype=jnp.float16, enabled: bool = True,
+             policy: str = "torch"):
     """Runs `fun` in mixed precision, like ``torch.autocast``.
 
     Matrix products and convolutions run in `dtype`; transcendental functions and
@@ -495,6 +552,16 @@ def autocast(fun: Callable | None = None, *, dtype=jnp.float16, enabled: bool = 
       dtype: ``jnp.float16`` (default) or ``jnp.bfloat16``.
       enabled: if False, `fun` runs as written (and so does any region nested in
         it that does not enable autocast again).
+      policy: ``"torch"`` (default) hands on the dtype each operation computes in,
+        as ``torch.autocast`` does: a float32-list operation returns float32, and a
+        float32 bias promotes the activation it is added to. ``"lean"`` keeps
+        activations in `dtype` between operations, as a model written with Flax's
+        ``dtype=`` does: float32-list operations compute in float32 and return
+        `dtype` (rematerialized, so no float32 copy is kept for the backward
+        pass); reductions stay float32; the largest operand of a multi-input
+        operation sets its precision; embedding lookups gather from a
+        low-precision table. It keeps fewer and smaller activations, at the cost
+        of rounding more intermediate results to 16 bits.
 
     Returns:
       A function with the signature of `fun`.
@@ -511,14 +578,16 @@ def autocast(fun: Callable | None = None, *, dtype=jnp.float16, enabled: bool = 
     if not isinstance(enabled, bool):
         raise TypeError(f"autocast(enabled={enabled!r}): enabled must be a Python bool.")
     low = _check_dtype(dtype)
+    if policy not in POLICIES:
+        raise ValueError(f"autocast(policy={policy!r}): policy must be one of {POLICIES}.")
     if fun is None:
-        return functools.partial(autocast, dtype=low, enabled=enabled)
+        return functools.partial(autocast, dtype=low, enabled=enabled, policy=policy)
     if not callable(fun):
         raise TypeError(
             f"autocast(fun): fun must be callable, got {type(fun).__name__}. Wrap the "
             "function that computes your loss: autocast(loss_fn)(params, batch), or use "
             "@autocast / @autocast(dtype=jnp.bfloat16) as a decorator.")
-    region = Region(low if enabled else None)
+    region = Region(low if enabled else None, enabled and policy == "lean")
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):

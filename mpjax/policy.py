@@ -103,6 +103,10 @@ AS_RECEIVED = _table(Rule.AS_RECEIVED, [
 POLICY: dict[str, Rule] = {**LOW_PRECISION, **FLOAT32, **WIDEST, **AS_RECEIVED}
 """Every primitive with a rule; anything else is `Rule.ORIGINAL`."""
 
+# The memory-lean policy changes these rules. An embedding lookup gathers from a
+# low-precision table, so the activations it starts are low precision.
+LEAN_OVERRIDES: dict[str, Rule] = {"gather": Rule.LOW}
+
 assert len(POLICY) == (len(LOW_PRECISION) + len(FLOAT32) + len(WIDEST)
                        + len(AS_RECEIVED)), "a primitive is in two tables"
 
@@ -112,8 +116,10 @@ CASTABLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float3
 LOW_DTYPES = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16))
 
 
-def rule_for(primitive_name: str) -> Rule:
+def rule_for(primitive_name: str, lean: bool = False) -> Rule:
     """The rule autocast applies to a primitive, by name."""
+    if lean and primitive_name in LEAN_OVERRIDES:
+        return LEAN_OVERRIDES[primitive_name]
     return POLICY.get(primitive_name, Rule.ORIGINAL)
 
 

@@ -14,9 +14,14 @@ CASES = model_cases()
 IDS = [c[0] for c in CASES]
 
 
+@pytest.fixture(params=["torch", "lean"])
+def policy(request):
+    return request.param
+
+
 @pytest.mark.parametrize("name,loss,params,inputs", CASES, ids=IDS)
-def test_every_equation_obeys_policy(name, loss, params, inputs, low):
-    jaxpr = jax.make_jaxpr(mpjax.autocast(loss, dtype=low))(params, *inputs)
+def test_every_equation_obeys_policy(name, loss, params, inputs, low, policy):
+    jaxpr = jax.make_jaxpr(mpjax.autocast(loss, dtype=low, policy=policy))(params, *inputs)
     by_name = assert_obeys_policy(jaxpr, low)
     matmuls = by_name.get("dot_general", []) + by_name.get("conv_general_dilated", [])
     assert matmuls, "every model has matrix products"
@@ -25,9 +30,10 @@ def test_every_equation_obeys_policy(name, loss, params, inputs, low):
 
 
 @pytest.mark.parametrize("name,loss,params,inputs", CASES, ids=IDS)
-def test_loss_and_grads_close_to_float32(name, loss, params, inputs, low):
+def test_loss_and_grads_close_to_float32(name, loss, params, inputs, low, policy):
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss))(params, *inputs)
-    out_loss, grads = jax.jit(jax.value_and_grad(mpjax.autocast(loss, dtype=low)))(params, *inputs)
+    out_loss, grads = jax.jit(jax.value_and_grad(
+        mpjax.autocast(loss, dtype=low, policy=policy)))(params, *inputs)
     assert out_loss.dtype == F32
     np.testing.assert_allclose(out_loss, ref_loss, rtol=rel_tol(low))
     # Gradients of float32 parameters are float32, whatever ran inside.
@@ -76,3 +82,42 @@ def test_masked_attention_fully_masked_row_stays_finite():
     mask = jnp.array([[True, True, False, False], [False] * 4])
     out = jax.jit(mpjax.autocast(f))(scores, mask)
     np.testing.assert_allclose(out, f(scores, mask), atol=1e-3)
+
+
+def _residual_bytes(f, *args):
+    """Bytes a vjp keeps for the backward pass: the activation memory of training."""
+    residuals = jax.eval_shape(lambda *a: jax.vjp(f, *a)[1], *args)
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(residuals))
+
+
+def test_lean_policy_keeps_fewer_residual_bytes():
+    _, loss, params, _ = CASES[2]
+    tokens = jax.random.randint(jax.random.key(1), (8, 65), 0, 11)
+    f32 = _residual_bytes(loss, params, tokens)
+    torch_style = _residual_bytes(mpjax.autocast(loss), params, tokens)
+    lean = _residual_bytes(mpjax.autocast(loss, policy="lean"), params, tokens)
+    assert lean < torch_style < f32
+    assert lean <= 0.6 * f32, (lean, f32)
+
+
+def test_lean_policy_details():
+    _, loss, params, (tokens,) = CASES[2]
+    eqns = list(all_eqns(jax.make_jaxpr(mpjax.autocast(loss, policy="lean"))(params, tokens)))
+    # The embedding lookup gathers from a float16 table.
+    (gather,) = [e for e in eqns if e.primitive.name == "gather" and e.invars[0].aval.ndim == 2
+                 and e.invars[0].aval.shape[0] == 11 and e.outvars[0].aval.ndim == 3]
+    assert gather.outvars[0].aval.dtype == jnp.float16
+    # The residual stream and the attention probabilities stay float16 (per-row
+    # statistics, [B, T, 1], stay float32) ...
+    activations = [e for e in eqns if e.primitive.name in ("add", "div")
+                   and e.outvars[0].aval.ndim >= 3 and e.outvars[0].aval.shape[-1] > 1
+                   and jnp.issubdtype(e.outvars[0].aval.dtype, jnp.floating)]
+    assert len(activations) >= 4
+    assert all(e.outvars[0].aval.dtype == jnp.float16 for e in activations)
+    # ... while exp itself computes in float32, inside a rematerialized region.
+    assert all(e.outvars[0].aval.dtype == F32 for e in eqns if e.primitive.name == "exp")
+
+
+def test_policy_is_validated():
+    with pytest.raises(ValueError, match=r"autocast\(policy='fast'\): policy must be one of"):
+        mpjax.autocast(lambda x: x, policy="fast")
