@@ -12,6 +12,7 @@ import numpy as np
 
 from mpjax import _compat
 from mpjax import policy
+from mpjax.interpreter import trace_arrays
 
 _MATMULS = frozenset(policy.LOW_PRECISION)
 
@@ -94,7 +95,8 @@ def audit(fun: Callable, *args, **kwargs) -> AuditReport:
       >>> print(report)  # doctest: +SKIP
     """
     if not callable(fun):
-        raise TypeError(f"audit(fun, ...): fun must be callable, got {type(fun).__name__}.")
+        raise TypeError(f"audit(fun, ...): fun must be callable, got {type(fun).__name__}. "
+                        "Pass the function and its arguments: audit(autocast(f), *args).")
     equations, casts, flops, low_flops = _walk(_trace(fun, args, kwargs))
     inserted = None
     wrapper, original = getattr(fun, "__mpjax_autocast__", (None, None))
@@ -104,8 +106,9 @@ def audit(fun: Callable, *args, **kwargs) -> AuditReport:
 
 
 def _trace(fun, args, kwargs):
-    jaxpr, _ = _compat.jaxpr_and_consts(jax.make_jaxpr(fun)(*args, **kwargs))
-    return jaxpr
+    # As autocast does: arrays are traced, Python scalars stay Python values.
+    closed, _, _ = trace_arrays(fun, args, kwargs)
+    return _compat.jaxpr_and_consts(closed)[0]
 
 
 def _dtype_names(atoms) -> tuple[str, ...]:

@@ -30,6 +30,7 @@ from jax import lax
 from mpjax import _compat
 from mpjax import _nnx
 from mpjax import policy
+from mpjax import policy as policy_module  # `policy` is also autocast's argument
 from mpjax.policy import Rule
 
 _F32 = np.dtype(jnp.float32)
@@ -582,6 +583,11 @@ def autocast(fun: Callable | None = None, *, dtype=jnp.float16, enabled: bool = 
         raise ValueError(f"autocast(policy={policy!r}): policy must be one of {POLICIES}.")
     if fun is None:
         return functools.partial(autocast, dtype=low, enabled=enabled, policy=policy)
+    if isinstance(fun, type) and policy_module.is_castable(fun):
+        raise TypeError(
+            f"autocast(fun): got the dtype {np.dtype(fun).name} as the function; pass the "
+            f"dtype by keyword: autocast(dtype=jnp.{np.dtype(fun).name}) or "
+            f"autocast(fun, dtype=jnp.{np.dtype(fun).name}).")
     if not callable(fun):
         raise TypeError(
             f"autocast(fun): fun must be callable, got {type(fun).__name__}. Wrap the "
@@ -613,7 +619,12 @@ _STATIC_HINT = (
     "unchanged), close over them, or use lax.cond / jnp.where.")
 
 
-def _autocast_call(fun, region: Region, args, kwargs):
+def trace_arrays(fun, args, kwargs):
+    """Traces ``fun(*args, **kwargs)`` with the array leaves abstract.
+
+    Every other leaf (Python scalars, strings, None) is passed to `fun` as it is.
+    Returns the closed jaxpr, the output shapes, and the array leaves.
+    """
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
 
@@ -627,10 +638,17 @@ def _autocast_call(fun, region: Region, args, kwargs):
     dynamic_leaves = [leaves[i] for i in dynamic]
     try:
         closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dynamic_leaves)
-    except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
-            jax.errors.TracerIntegerConversionError) as e:
-        e.add_note(_STATIC_HINT)
+    except Exception as e:
+        # Python control flow or shapes depending on an array: say how to fix it.
+        if isinstance(e, (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
+                          jax.errors.TracerIntegerConversionError)) or "Traced<" in str(e):
+            e.add_note(_STATIC_HINT)
         raise
+    return closed, out_shape, dynamic_leaves
+
+
+def _autocast_call(fun, region: Region, args, kwargs):
+    closed, out_shape, dynamic_leaves = trace_arrays(fun, args, kwargs)
     jaxpr, consts = _compat.jaxpr_and_consts(closed)
     ctx = Context(region, Scope())
     outs, _ = eval_jaxpr(ctx, jaxpr, consts, dynamic_leaves, [False] * len(dynamic_leaves))

@@ -332,17 +332,18 @@ def _loss_scaler(
     if not enabled:
       updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
       return updates, state._replace(inner_state=inner_state)
-    finite = _all_finite(grads)
-    if axis_name is not None:
-      # Every device must take the same branch, or replicas drift apart.
-      finite = lax.psum(jnp.logical_not(finite).astype(jnp.int32), axis_name) == 0
+    finite = _all_finite_everywhere(grads)
     # inner runs on zeros when skipping: its result is discarded anyway, and
     # this way no inf or NaN is computed inside it (jax_debug_nans stays quiet).
     grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
     updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
+    # inner may itself produce a non-finite update from finite gradients (adam
+    # with eps=0 on zero gradients): that step is skipped too, so parameters
+    # never become non-finite. The scale is not at fault and is not backed off.
+    applied = finite & _all_finite_everywhere(updates)
     # Selection is exact, so a skipped step leaves inner's state bit for bit.
-    updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
-    inner_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+    updates = jax.tree.map(lambda u: jnp.where(applied, u, jnp.zeros_like(u)), updates)
+    inner_state = jax.tree.map(lambda new, old: jnp.where(applied, new, old),
                                inner_state, state.inner_state)
     if dynamic:
       scale, tracker = _next_scale(
@@ -351,7 +352,7 @@ def _loss_scaler(
           min_scale=min_scale)
     else:
       scale, tracker = state.scale, state.growth_tracker
-    skipped = jnp.logical_not(finite)
+    skipped = jnp.logical_not(applied)
     return updates, state._replace(
         scale=scale,
         growth_tracker=tracker,
@@ -379,7 +380,25 @@ def _loss_scaler(
       return g.astype(ref.dtype)
     return jax.tree.map(one, grads, like)
 
+  def _all_finite_everywhere(tree):
+    finite = _all_finite(tree)
+    if axis_name is not None:
+      # Every device must take the same branch, or replicas drift apart.
+      finite = lax.psum(jnp.logical_not(finite).astype(jnp.int32), axis_name) == 0
+    return finite
+
   def update_fn(updates, state, params=None, **extra):
+    if not isinstance(state, GradScalerState):
+      raise TypeError(
+          f"grad_scaler update: `state` must be the GradScalerState that this "
+          f"transformation's init returned, got {type(state).__name__}. A "
+          "checkpoint saved without the scaler cannot be resumed with it: build "
+          "the state with tx.init(params) and restore into that structure.")
+    if jnp.shape(state.scale) != ():
+      raise ValueError(
+          f"grad_scaler update: the state's `scale` must be a float32 scalar, got "
+          f"shape {jnp.shape(state.scale)}. Restore checkpoints into the structure "
+          "tx.init(params) returns (e.g. orbax's restore with that as target).")
     if k == 1:
       return step(unscale(updates, updates, state), state, params, extra)
 
@@ -416,6 +435,9 @@ def _loss_scaler(
 def _next_scale(scale, tracker, finite, *, growth_factor, backoff_factor,
                 growth_interval, min_scale):
   """torch's ``_amp_update_scale_``, with the scale floored at `min_scale`."""
+  # A NaN or inf scale (only a corrupted checkpoint makes one) restarts from
+  # the floor instead of skipping, or zeroing, every later step.
+  scale = jnp.where(jnp.isfinite(scale), scale, jnp.float32(min_scale))
   successful = tracker + 1
   grow = successful == growth_interval  # equality, as torch: not >=
   grown = _mul_f32_by_f64(scale, growth_factor)
@@ -547,7 +569,7 @@ def get_scale(opt_state: Any) -> jax.Array:
     >>> get_scale(tx.init(jnp.zeros(2)))
     Array(65536., dtype=float32)
   """
-  return _value(_find_state(opt_state, "get_scale").scale)
+  return _value(_find_state(opt_state, "get_scale").scale, jnp.float32)
 
 
 def set_scale(opt_state: Any, new_scale: float | jax.Array) -> Any:
@@ -619,7 +641,7 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     >>> scale_loss(jnp.float16(1.5), state)
     Array(12., dtype=float32)
   """
-  scale = get_scale(opt_state)
+  scale = _value(_find_state(opt_state, "scale_loss").scale, jnp.float32)
   loss = jnp.asarray(loss)
   dtype = jnp.promote_types(loss.dtype, jnp.float32)
   return loss.astype(dtype) * scale.astype(dtype)
@@ -662,7 +684,7 @@ def scaled_value_and_grad(
     >>> scaled_value_and_grad(lambda w: jnp.sum(w**2), state)(jnp.ones(2))
     (Array(2., dtype=float32), Array([8., 8.], dtype=float32))
   """
-  scale = get_scale(opt_state)
+  scale = _value(_find_state(opt_state, "scaled_value_and_grad").scale, jnp.float32)
 
   def scaled_fun(*args, **kwargs):
     out = fun(*args, **kwargs)
@@ -703,7 +725,7 @@ def scaler_stats(opt_state: Any) -> dict[str, jax.Array]:
   """
   state = _find_state(opt_state, "scaler_stats")
   return {
-      "scale": _value(state.scale),
+      "scale": _value(state.scale, jnp.float32),
       "growth_tracker": _value(state.growth_tracker),
       "skipped_steps": _value(state.skipped_steps),
       "last_step_skipped": _value(state.last_step_skipped),
@@ -744,10 +766,10 @@ def _find_state(opt_state: Any, caller: str) -> GradScalerState:
       "than each part, or pass the sub-state of the scaler you mean.")
 
 
-def _value(field):
+def _value(field, dtype=None):
   """The array in a state field, unwrapping containers such as nnx Variables."""
   (leaf,) = jax.tree_util.tree_leaves(field)
-  return jnp.asarray(leaf)
+  return jnp.asarray(leaf, dtype)
 
 
 # --------------------------------------------------------------------------

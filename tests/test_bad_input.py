@@ -4,29 +4,27 @@ Cases already covered elsewhere are not repeated here: non-callables and bad
 dtypes for autocast (test_autocast_api.py), out-of-range constructor arguments
 by name (test_scaler.py), helpers on a state with no scaler or two
 (test_scaler_integration.py). This file adds the messages' *fixes* and the
-remaining inputs. Cases marked "gap" are strict xfails: the test states what a
-demanding user expects, the library does not do it yet, and the gap is reported
-to the lead (remove the marker with the fix).
+remaining inputs.
 
 | bad input                                                        | what the library does                                              |
 |------------------------------------------------------------------|--------------------------------------------------------------------|
 | ``autocast(3)``, ``autocast("loss")``, ``autocast(array)``       | TypeError at wrap time: "autocast(fun): fun must be callable, got int. Wrap the function ... or use @autocast(dtype=...)" |
-| ``autocast(jnp.float16)`` (dtype positionally, the torch habit)  | gap: accepted silently (``jnp.float16`` is callable); the decorated function then fails with "expected number, got function". Wanted: TypeError at wrap time pointing to ``dtype=`` |
+| ``autocast(jnp.float16)`` (dtype positionally, the torch habit)  | TypeError at wrap time: "autocast(fun): got the dtype float16 as the function; pass the dtype by keyword: autocast(dtype=jnp.float16)" |
 | ``audit(3)``, ``audit(array)``                                   | TypeError: "audit(fun, ...): fun must be callable, got int" |
 | ``autocast(f, dtype=jnp.int8 / jnp.float64 / jnp.float32 / "half-ish")``, and as ``@autocast(dtype=...)`` | ValueError at wrap time naming ``dtype``, the two valid dtypes, and ``enabled=False`` for float32 regions; dtype names ``"float16"``, ``"bfloat16"`` are accepted |
 | Python bool / int / float / str arguments (positional, keyword, inside pytrees) | passed to ``fun`` unchanged, as Python objects: they may steer control flow and shapes; ``jax.jit(..., static_argnames=...)`` around autocast works |
 | a JAX array (or a NumPy scalar, which counts as an array) in Python control flow: ``if x``, ``range(n)``, ``float(x)`` | JAX's error, with mpjax's note: "Pass such flags as Python bools or ints ..., close over them, or use lax.cond / jnp.where" |
-| ``audit(autocast(f), x, True)`` with a static Python flag          | gap: audit traces the flag, so ``if flag`` fails (and mpjax's note says to pass a Python bool, which the user did). Wanted: audit treats non-array leaves as autocast does |
+| ``audit(autocast(f), x, True)`` with a static Python flag          | works: audit passes non-array leaves to ``fun`` unchanged, as autocast does |
 | get_scale / set_scale / scale_loss / scaled_value_and_grad / scaler_stats on the optimizer itself (``tx``), on params, on ``None``, on an ``nnx.Optimizer`` without a scaler | ValueError: "no GradScalerState found in `opt_state` (a <type>). Build the optimizer with mpjax.grad_scaler(inner) ... Pass the state its init returned." |
-| (scale_loss and scaled_value_and_grad on any of these)          | gap: the message starts "get_scale: ...", not the name of the helper called |
+| (any helper)                                                     | the message starts with the name of the helper called |
 | the same helpers on a state holding two scalers                  | ValueError: "found 2 GradScalerStates ... (at <paths>) ... Wrap the whole optimizer in a single grad_scaler" |
-| ``grad_scaler(...).update`` on a state that holds no scaler (e.g. a pre-mpjax checkpoint) | gap: AttributeError "'tuple' object has no attribute 'scale'". Wanted: an error naming the state and GradScalerState |
+| ``grad_scaler(...).update`` on a state that holds no scaler (e.g. a pre-mpjax checkpoint) | TypeError naming ``state`` and GradScalerState, and how to restore into ``tx.init(params)`` |
 | hyperparameters out of range (``growth_factor``, ``backoff_factor``, ``growth_interval``, ``init_scale``, ``min_scale``, ``accumulation_steps``, static ``scale``, ``set_scale``'s ``new_scale``) | ValueError naming the function, the argument, the valid range and the value given |
 | a restored scale that is a float64 / float16 / bfloat16 / int / NumPy / Python scalar | accepted: the step is bit-identical to the one from a float32 scale and the new state's scale is a float32 scalar again |
-| the same, read with ``get_scale`` / ``scaler_stats`` before any step | float16 / bfloat16 / integer scales: gap, returned in their own dtype although documented as "the float32 scalar scale" |
+| the same, read with ``get_scale`` / ``scaler_stats`` before any step | returned as a float32 scalar, as documented |
 | a restored scale of 0                                            | the step is skipped and the scale backs off to ``min_scale``: training resumes |
-| a restored scale of shape (1,)                                   | gap: ``update`` carries the shape (1,) on silently and ``scaled_value_and_grad`` fails inside ``jax.grad`` with "Gradient only defined for scalar-output functions". Wanted: a ValueError naming ``scale`` |
-| a restored scale of NaN or inf                                   | gap: every later step is skipped and the scale stays NaN / inf for good. Wanted: the backoff brings it back to a finite value |
+| a restored scale of shape (1,)                                   | ValueError at ``update`` naming ``scale``, its shape, and how to restore |
+| a restored scale of NaN or inf                                   | the scale restarts from ``min_scale`` and training resumes |
 | integer inputs (int8 matmuls included), float64 inputs under ``jax.enable_x64`` | run untouched: same values bit for bit, same dtypes, no cast inserted; float64 gradients stay float64 |
 """
 
@@ -43,7 +41,6 @@ from mpjax import (get_scale, grad_scaler, scale_loss, scaled_value_and_grad, sc
                    set_scale, static_scaler)
 
 PARAMS = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(3, 2), "b": jnp.zeros(2)}
-GAP = "library gap reported to the lead; remove this marker with the fix"
 
 # --------------------------------------------------------------------------
 # autocast / audit: the function and the dtype.
@@ -57,7 +54,6 @@ def test_non_callable_names_fun_and_the_fix(fun):
   assert "@autocast(dtype=jnp.bfloat16)" in str(info.value)
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=GAP)
 def test_dtype_passed_positionally_is_refused_at_wrap_time():
   # torch.autocast(device, dtype) habits: autocast(jnp.float16) wraps the
   # float16 *constructor*, and @autocast(jnp.bfloat16) breaks the function.
@@ -147,14 +143,13 @@ def test_array_where_python_needs_a_value_carries_the_hint(case):
   assert HINT in "".join(getattr(info.value, "__notes__", []))
 
 
-@pytest.mark.xfail(strict=True, raises=jax.errors.TracerBoolConversionError, reason=GAP)
 def test_audit_keeps_python_flags_static_like_autocast():
   def f(x, training):
     return x @ x if training else x
 
   x = jnp.ones((2, 2))
   mpjax.autocast(f)(x, True)  # fine
-  report = mpjax.audit(mpjax.autocast(f), x, True)  # traces `True` today
+  report = mpjax.audit(mpjax.autocast(f), x, True)
   assert report.find("dot_general")
 
 
@@ -188,7 +183,7 @@ WRONG_STATES = {
 @pytest.mark.parametrize("wrong", list(WRONG_STATES))
 def test_helpers_on_something_else_name_it_and_the_fix(helper, wrong):
   obj, type_name = WRONG_STATES[wrong]
-  with pytest.raises(ValueError, match=r"(get_scale|set_scale|scaler_stats): no GradScalerState "
+  with pytest.raises(ValueError, match=rf"{helper}: no GradScalerState "
                                        r"found in `opt_state` "
                                        rf"\(a {type_name}\)\. Build the optimizer with "
                                        r"mpjax\.grad_scaler\(inner\)") as info:
@@ -204,18 +199,13 @@ def test_helpers_on_two_scalers_name_both_paths_and_the_fix(helper):
     HELPERS[helper](state)
 
 
-@pytest.mark.parametrize("helper", [
-    h if h not in ("scale_loss", "scaled_value_and_grad")
-    else pytest.param(h, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=GAP))
-    for h in HELPERS])
+@pytest.mark.parametrize("helper", list(HELPERS))
 def test_helper_errors_name_the_helper_that_was_called(helper):
-  # scale_loss and scaled_value_and_grad report as "get_scale: ..." today.
   with pytest.raises(ValueError) as info:
     HELPERS[helper](optax.adam(1e-3).init(PARAMS))
   assert str(info.value).startswith(f"{helper}: "), str(info.value)[:40]
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason=GAP)
 def test_update_on_a_state_without_scaler_is_a_clear_error():
   # E.g. an optimizer state restored from a checkpoint written before mpjax.
   tx = grad_scaler(optax.adam(1e-3))
@@ -312,11 +302,7 @@ def test_restored_scalar_scale_of_another_dtype_is_accepted_and_cast(name):
   assert new_state.scale.shape == () and new_state.scale.dtype == jnp.float32
 
 
-@pytest.mark.parametrize("name", [
-    n if n not in ("python int", "numpy int64", "jax int32", "float16", "bfloat16")
-    else pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=AssertionError,
-                                                 reason=GAP))
-    for n in RESTORED_SCALES])
+@pytest.mark.parametrize("name", list(RESTORED_SCALES))
 def test_helpers_read_a_restored_scale_as_float32(name):
   # get_scale is documented to return "the float32 scalar scale".
   state = _TX.init(PARAMS)._replace(scale=RESTORED_SCALES[name])
@@ -335,7 +321,6 @@ def test_restored_zero_scale_recovers():
   assert bool(jnp.all(jnp.isfinite(params["w"]))) and not np.array_equal(params["w"], PARAMS["w"])
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=GAP)
 @pytest.mark.parametrize("scale", [np.array([1024.0], np.float32), jnp.ones((1, 1))],
                          ids=["shape (1,)", "shape (1, 1)"])
 def test_restored_non_scalar_scale_is_a_clear_error_at_update(scale):
@@ -345,7 +330,6 @@ def test_restored_non_scalar_scale_is_a_clear_error_at_update(scale):
     _TX.update(grads, state, PARAMS)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=GAP)
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_restored_non_finite_scale_recovers(bad):
   params, state = _step(PARAMS, _TX.init(PARAMS)._replace(scale=jnp.float32(bad)), X)
