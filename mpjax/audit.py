@@ -18,7 +18,15 @@ _MATMULS = frozenset(policy.LOW_PRECISION)
 
 
 class Equation(NamedTuple):
-    """One primitive of the audited program, after the policy."""
+    """One primitive of the audited program, after the policy.
+
+    Examples:
+      >>> import jax.numpy as jnp, mpjax
+      >>> f = mpjax.autocast(lambda w, x: x @ w)
+      >>> eqn = mpjax.audit(f, jnp.ones((4, 3)), jnp.ones((2, 4))).find("dot_general")[0]
+      >>> eqn.primitive, eqn.in_dtypes, eqn.out_dtypes, eqn.path
+      ('dot_general', ('float16', 'float16'), ('float16',), '')
+    """
 
     primitive: str
     in_dtypes: tuple[str, ...]
@@ -42,6 +50,14 @@ class AuditReport:
       matmul_flops: floating-point operations of all dot products and
         convolutions (a scan body counted once per iteration).
       low_precision_flops: the part of `matmul_flops` with 16-bit inputs.
+
+    Examples:
+      >>> import jax.numpy as jnp, mpjax
+      >>> def f(w, x):
+      ...     return jnp.sum(jnp.exp(x @ w))
+      >>> report = mpjax.audit(mpjax.autocast(f), jnp.ones((4, 3)), jnp.ones((2, 4)))
+      >>> report.matmul_flops, report.low_precision_fraction, report.casts_inserted
+      (48, 1.0, 3)
     """
 
     equations: tuple[Equation, ...]
@@ -83,7 +99,7 @@ def audit(fun: Callable, *args, **kwargs) -> AuditReport:
     `fun` is audited as given: pass ``autocast(f)``, ``jax.grad(autocast(f))`` or a
     whole training step. Nothing is executed.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, mpjax
       >>> def f(w, x):
       ...     return jnp.sum(jnp.exp(x @ w))

@@ -205,11 +205,27 @@ def _targets(rule: Rule, eqn, vals, weak, low, lean=False) -> list:
         strong = [d for d, _ in strong]
         target = policy.widest(strong) or policy.widest(
             d for d, c in zip(dtypes, castable) if c)
+        if target in policy.LOW_DTYPES and any(
+                w and not _fits(x, target) for x, w in zip(vals, weak)):
+            # A literal the low dtype cannot hold (``h / 1e5`` in float16): the
+            # operation runs in float32 rather than divide by inf or 65504.
+            target = _F32
         return [target if c else None for c in castable]
     if rule is Rule.ORIGINAL:
         return [v.aval.dtype if c and policy.is_castable(v.aval.dtype) else None
                 for v, c in zip(eqn.invars, castable)]
     return [None] * len(vals)
+
+
+def _fits(x, dtype) -> bool:
+    """Whether a literal's values are normal numbers (or 0, inf) in `dtype`."""
+    if not isinstance(x, (np.ndarray, np.generic)) or not policy.is_castable(dtype_of(x)):
+        return True  # traced values: unknown, and saturated when cast (see Scope.cast)
+    info = jnp.finfo(dtype)
+    magnitude = np.abs(np.asarray(x, np.float64))
+    finite = magnitude[np.isfinite(magnitude)]
+    return bool(np.all((finite == 0) | ((finite >= float(info.smallest_normal))
+                                        & (finite <= float(info.max)))))
 
 
 def _first_order(ctx: Context, eqn, vals, weak):
@@ -286,6 +302,7 @@ def _inline_call(ctx: Context, eqn, vals, weak):
 
 
 def _remat(ctx: Context, eqn, vals, weak):
+    """jax.checkpoint: rebuilt around the autocast body, its policy kept."""
     def body(*args):
         outs, _ = _eval_closed(ctx.child(), eqn.params["jaxpr"], list(args), weak)
         return outs
@@ -296,6 +313,7 @@ def _remat(ctx: Context, eqn, vals, weak):
 
 
 def _shard_map(ctx: Context, eqn, vals, weak):
+    """shard_map: rebuilt around the autocast body, mesh and specs kept."""
     def body(*args):
         outs, _ = _eval_closed(ctx.child(), eqn.params["jaxpr"], list(args), weak)
         return tuple(outs)
@@ -396,6 +414,11 @@ def _hoist(ctx: Context, scope: Scope) -> None:
 
 
 def _scan(ctx: Context, eqn, vals, weak):
+    """scan: rebuilt with carries at fixed dtypes, loop-invariant casts hoisted.
+
+    Casts of the scanned-over inputs (a stacked layer's weights) are made once,
+    on the whole stack, and scanned over beside the originals.
+    """
     params = eqn.params
     n_consts, n_carry = _compat.scan_counts(params)
     consts, init, xs = vals[:n_consts], vals[n_consts:n_consts + n_carry], vals[n_consts + n_carry:]
@@ -454,6 +477,7 @@ def _scan(ctx: Context, eqn, vals, weak):
 
 
 def _while(ctx: Context, eqn, vals, weak):
+    """while_loop: rebuilt with carries at fixed dtypes, loop-invariant casts hoisted."""
     params = eqn.params
     nc, nb = params["cond_nconsts"], params["body_nconsts"]
     cond_consts, body_consts, init = vals[:nc], vals[nc:nc + nb], vals[nc + nb:]
@@ -567,7 +591,7 @@ def autocast(fun: Callable | None = None, *, dtype=jnp.float16, enabled: bool = 
     Returns:
       A function with the signature of `fun`.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, mpjax
       >>> def loss(w, x):
       ...     return jnp.mean(jnp.tanh(x @ w) ** 2)

@@ -21,7 +21,15 @@ import jax.numpy as jnp
 
 
 class Rule(enum.Enum):
-    """What autocast does to a primitive's floating-point inputs."""
+    """What autocast does to a primitive's floating-point inputs.
+
+    Examples:
+      >>> import mpjax
+      >>> mpjax.rule_for("exp")
+      <Rule.FLOAT32: 'float32'>
+      >>> [rule.name for rule in mpjax.Rule]
+      ['LOW', 'FLOAT32', 'WIDEST', 'AS_RECEIVED', 'ORIGINAL']
+    """
 
     LOW = "low"
     """Cast to the region's low-precision dtype; the result is low precision too."""
@@ -117,7 +125,21 @@ LOW_DTYPES = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16))
 
 
 def rule_for(primitive_name: str, lean: bool = False) -> Rule:
-    """The rule autocast applies to a primitive, by name."""
+    """The rule autocast applies to a primitive, by name.
+
+    Args:
+      primitive_name: e.g. ``"dot_general"``, as ``eqn.primitive.name`` gives it.
+      lean: the rule under ``autocast(..., policy="lean")``.
+
+    Examples:
+      >>> from mpjax import Rule, rule_for
+      >>> rule_for("dot_general") is Rule.LOW
+      True
+      >>> rule_for("gather"), rule_for("gather", lean=True)
+      (<Rule.AS_RECEIVED: 'as_received'>, <Rule.LOW: 'low'>)
+      >>> rule_for("a_primitive_mpjax_does_not_know")
+      <Rule.ORIGINAL: 'original'>
+    """
     if lean and primitive_name in LEAN_OVERRIDES:
         return LEAN_OVERRIDES[primitive_name]
     return POLICY.get(primitive_name, Rule.ORIGINAL)

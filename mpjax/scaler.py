@@ -60,7 +60,7 @@ class GradScalerState(NamedTuple):
     growth_tracker: int32 scalar, consecutive finite (effective) steps since
       the last growth or skip (torch's ``_growth_tracker``).
     skipped_steps: int32 scalar, total number of (effective) steps skipped
-      because their gradients were not finite.
+      because their gradients (or inner's updates) were not finite.
     last_step_skipped: bool scalar, whether the latest effective step was
       skipped.
     micro_step: int32 scalar, micro-batches accumulated since the last effective
@@ -69,6 +69,13 @@ class GradScalerState(NamedTuple):
       effective batch (float32, or wider if the parameters are), shaped like the
       parameters; ``optax.EmptyState()`` when ``accumulation_steps == 1``.
     inner_state: the state of the wrapped optimizer.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> from mpjax.scaler import grad_scaler
+    >>> state = grad_scaler(optax.sgd(0.1)).init({"w": jnp.zeros(2)})
+    >>> state.scale, state.skipped_steps, state.last_step_skipped
+    (Array(65536., dtype=float32), Array(0, dtype=int32), Array(False, dtype=bool))
   """
 
   scale: jax.Array
@@ -168,7 +175,7 @@ def grad_scaler(
   Raises:
     ValueError: if an argument is out of its valid range.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, optax
     >>> from mpjax.scaler import grad_scaler, scaled_value_and_grad, get_scale
     >>> tx = grad_scaler(optax.sgd(0.1), init_scale=2.0**10)
@@ -248,7 +255,7 @@ def static_scaler(
     ValueError: if ``scale`` is not a finite normal float32 number, or
       ``accumulation_steps`` is not an integer >= 1.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, optax
     >>> from mpjax.scaler import static_scaler
     >>> tx = static_scaler(optax.sgd(1.0), 128.0)
@@ -292,7 +299,7 @@ def noop_scaler(
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     `GradScalerState` with scale 1.0.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, optax
     >>> from mpjax.scaler import noop_scaler, get_scale
     >>> tx = noop_scaler(optax.sgd(1.0))
@@ -562,7 +569,7 @@ def get_scale(opt_state: Any) -> jax.Array:
   Raises:
     ValueError: if `opt_state` holds no `GradScalerState`, or several.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, optax
     >>> from mpjax.scaler import grad_scaler, get_scale
     >>> tx = optax.chain(optax.identity(), grad_scaler(optax.sgd(0.1)))
@@ -592,7 +599,7 @@ def set_scale(opt_state: Any, new_scale: float | jax.Array) -> Any:
     ValueError: if `opt_state` holds no `GradScalerState` or several, or a
       concrete `new_scale` is not a finite number >= 2**-126.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, optax
     >>> from mpjax.scaler import grad_scaler, get_scale, set_scale
     >>> state = grad_scaler(optax.sgd(0.1)).init(jnp.zeros(2))
@@ -634,7 +641,7 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
   Raises:
     ValueError: if `opt_state` holds no `GradScalerState`, or several.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, optax
     >>> from mpjax.scaler import grad_scaler, scale_loss
     >>> state = grad_scaler(optax.sgd(0.1), init_scale=8.0).init(jnp.zeros(2))
@@ -677,7 +684,7 @@ def scaled_value_and_grad(
   Raises:
     ValueError: if `opt_state` holds no `GradScalerState`, or several.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, optax
     >>> from mpjax.scaler import grad_scaler, scaled_value_and_grad
     >>> state = grad_scaler(optax.sgd(0.1), init_scale=4.0).init(jnp.zeros(2))
@@ -716,7 +723,7 @@ def scaler_stats(opt_state: Any) -> dict[str, jax.Array]:
   Raises:
     ValueError: if `opt_state` holds no `GradScalerState`, or several.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, optax
     >>> from mpjax.scaler import grad_scaler, scaler_stats
     >>> stats = scaler_stats(grad_scaler(optax.sgd(0.1)).init(jnp.zeros(2)))

@@ -1,12 +1,18 @@
 """Shared helpers: a checker that every equation of a program obeys the policy."""
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
+import os
 
-from mpjax import _compat, policy
-from mpjax.policy import Rule
+# Eight simulated CPU devices for the data-parallel tests; set before jax starts.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from mpjax import _compat, policy  # noqa: E402
+from mpjax.policy import Rule  # noqa: E402
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 LOW_DTYPES = [jnp.float16, jnp.bfloat16]

@@ -274,3 +274,18 @@ def test_failures_are_reported_against_the_users_line():
     text = "".join(traceback.format_exception(info.value))
     assert "test_autocast_api.py" in text
     assert "mpjax.autocast, while evaluating `pure_callback`" in text
+
+
+@pytest.mark.parametrize("constant", [1e5, 1e-8, -7e4])
+def test_literals_outside_the_low_range_run_in_float32(constant):
+    # float16 holds neither 1e5 (max 65504) nor 1e-8 (below its normal range):
+    # the operation runs in float32 instead of dividing by inf or by 0.
+    f = lambda w, x: jnp.sum((x @ w) / constant)
+    w, x = _w(3, 3), _w(2, 3, seed=1)
+    (div,) = [e for e in all_eqns(jax.make_jaxpr(mpjax.autocast(f))(w, x)) if e.primitive.name == "div"]
+    assert div.outvars[0].aval.dtype == F32
+    np.testing.assert_allclose(mpjax.autocast(f)(w, x), f(w, x), rtol=2e-2)
+    # bfloat16 has float32's range: it stays low.
+    (div,) = [e for e in all_eqns(jax.make_jaxpr(mpjax.autocast(f, dtype=jnp.bfloat16))(w, x))
+              if e.primitive.name == "div"]
+    assert div.outvars[0].aval.dtype == BF16

@@ -1,0 +1,187 @@
+"""Data-parallel training on 8 simulated CPU devices (see conftest.py).
+
+Two ways to spread a batch over devices, each with autocast and the scaler:
+
+* sharded ``jax.jit``: the batch is a NamedSharding over the ``data`` axis and
+  XLA inserts the gradient all-reduce;
+* ``jax.shard_map``: each device computes the loss of its shard and
+  ``lax.pmean`` averages it; differentiating that makes the gradient all-reduce
+  (the transpose of replicating the float32 parameters, before autocast casts
+  them), so it runs in float32. The scaler gets ``axis_name`` so every device
+  takes the same skip decision.
+"""
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mpjax
+
+N_DEV = 8
+pytestmark = pytest.mark.skipif(jax.device_count() < N_DEV, reason="needs 8 devices (conftest)")
+
+
+def _mesh():
+    return jax.sharding.Mesh(np.array(jax.devices()[:N_DEV]), ("data",))
+
+
+def _init():
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
+    params = dict(w1=0.3 * jax.random.normal(k1, (12, 32)), b1=jnp.zeros(32),
+                  w2=0.3 * jax.random.normal(k2, (32, 4)))
+    x = jax.random.normal(k3, (64, 12))
+    y = jax.random.randint(k4, (64,), 0, 4)
+    return params, x, y
+
+
+def loss_fn(params, x, y):
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return optax.softmax_cross_entropy_with_integer_labels(h @ params["w2"], y).mean()
+
+
+def _tx(**kw):
+    # SGD, so that parameters differ exactly as much as the gradients do (Adam
+    # would magnify the rounding differences of near-zero gradients).
+    return mpjax.grad_scaler(optax.sgd(0.5), init_scale=2.0**10, **kw)
+
+
+def _train_single(params, x, y, steps=5, poison=None):
+    tx = _tx()
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        _, grads = mpjax.scaled_value_and_grad(mpjax.autocast(loss_fn), opt_state)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    for i in range(steps):
+        xi = x if poison != i else x.at[3, 0].set(jnp.inf)
+        params, opt_state = step(params, opt_state, xi, y)
+    return params, opt_state
+
+
+def _train_sharded_jit(params, x, y, steps=5, poison=None):
+    mesh = _mesh()
+    replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    tx = _tx()
+    params = jax.device_put(params, replicated)
+    opt_state = jax.device_put(tx.init(params), replicated)
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        _, grads = mpjax.scaled_value_and_grad(mpjax.autocast(loss_fn), opt_state)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    for i in range(steps):
+        xi = x if poison != i else x.at[3, 0].set(jnp.inf)
+        params, opt_state = step(params, opt_state, jax.device_put(xi, batch),
+                                 jax.device_put(y, batch))
+    return params, opt_state, step.lower(params, opt_state, jax.device_put(x, batch),
+                                         jax.device_put(y, batch))
+
+
+def _shard_map_step(tx, mesh):
+    def global_loss(params, x, y):
+        return lax.pmean(loss_fn(params, x, y), "data")
+
+    def local(params, opt_state, x, y):
+        _, grads = mpjax.scaled_value_and_grad(mpjax.autocast(global_loss), opt_state)(
+            params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
+                                 out_specs=(P(), P())))
+
+
+def _train_shard_map(params, x, y, steps=5, poison_device=None, poison_step=None):
+    mesh = _mesh()
+    tx = _tx(axis_name="data")
+    opt_state = tx.init(params)
+    step = _shard_map_step(tx, mesh)
+    per_device = x.shape[0] // N_DEV
+    for i in range(steps):
+        xi = x
+        if i == poison_step:
+            xi = x.at[poison_device * per_device, 0].set(jnp.nan)
+        params, opt_state = step(params, opt_state, xi, y)
+    return params, opt_state, step
+
+
+def test_sharded_jit_matches_single_device():
+    params, x, y = _init()
+    want, want_state = _train_single(params, x, y)
+    got, got_state, lowered = _train_sharded_jit(params, x, y)
+    chex.assert_trees_all_close(got, want, rtol=1e-3, atol=1e-4)
+    assert float(mpjax.get_scale(got_state)) == float(mpjax.get_scale(want_state))
+    # The parameters stay replicated, and their gradients float32.
+    assert all(p.sharding.is_fully_replicated for p in jax.tree.leaves(got))
+    assert "all-reduce" in lowered.compile().as_text()
+
+
+def test_shard_map_matches_single_device():
+    params, x, y = _init()
+    want, _ = _train_single(params, x, y)
+    got, _, _ = _train_shard_map(params, x, y)
+    chex.assert_trees_all_close(got, want, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", [0, 5])
+def test_an_inf_on_one_device_skips_the_step_on_every_device(device):
+    params, x, y = _init()
+    got, state, _ = _train_shard_map(params, x, y, steps=3, poison_device=device, poison_step=1)
+    stats = mpjax.scaler_stats(state)
+    assert int(stats["skipped_steps"]) == 1
+    assert float(stats["scale"]) == 2.0**9  # backed off once, the same everywhere
+    # The skipped step changed nothing on any device: three steps with one skipped
+    # are two clean steps (power-of-two scales unscale exactly).
+    clean, _, _ = _train_shard_map(params, x, y, steps=2)
+    chex.assert_trees_all_close(got, clean, rtol=1e-6, atol=1e-7)
+
+
+def test_sharded_jit_skip_is_global():
+    params, x, y = _init()
+    got, state, _ = _train_sharded_jit(params, x, y, steps=2, poison=1)
+    assert bool(mpjax.scaler_stats(state)["last_step_skipped"])
+    after_one, _ = _train_single(params, x, y, steps=1)
+    chex.assert_trees_all_close(got, after_one, rtol=1e-3, atol=1e-4)
+
+
+def _all_reduce_types(stablehlo: str) -> list[str]:
+    """The operand type of every all_reduce in a lowered module."""
+    types = []
+    for m in re.finditer(r'"stablehlo\.all_reduce"', stablehlo):
+        signature = re.search(r"\}\) : \((tensor<[^>]*>)", stablehlo[m.end():])
+        types.append(signature.group(1))
+    return types
+
+
+def test_shard_map_gradient_all_reduce_is_float32():
+    params, x, y = _init()
+    tx = _tx(axis_name="data")
+    text = _shard_map_step(tx, _mesh()).lower(params, tx.init(params), x, y).as_text()
+    types = _all_reduce_types(text)
+    # The bias gradient is reduced as [32] or [1, 32], depending on the jax version.
+    gradient_reduces = [t for t in types if t in ("tensor<12x32xf32>", "tensor<1x32xf32>",
+                                                   "tensor<32xf32>", "tensor<32x4xf32>")]
+    assert len(gradient_reduces) == 3, types
+    assert not [t for t in types if "f16" in t], types
+
+
+def test_autocast_keeps_input_shardings():
+    params, x, _ = _init()
+    mesh = _mesh()
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    out = jax.jit(mpjax.autocast(lambda p, x: jnp.tanh(x @ p["w1"])))(params, xs)
+    assert out.dtype == jnp.float32
+    assert out.sharding.spec == P("data") or out.sharding.spec[0] == "data"
