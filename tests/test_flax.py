@@ -1,0 +1,325 @@
+"""Flax integration: NNX modules and Linen `apply` under `mpjax.autocast`.
+
+NNX: state written in the forward pass (BatchNorm statistics, RNG counters, any
+`nnx.Variable`) is kept, at the variables' own dtypes, alone and through
+`nnx.jit`, `nnx.value_and_grad` and `nnx.Optimizer` with `grad_scaler`.
+Linen: mutable collections come back from `autocast(model.apply)` at their
+original dtypes, and the layers' matrix products run in the low dtype.
+"""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import F32, all_eqns
+from flax import nnx
+
+import mpjax
+
+# Tolerances against float32, stated once. Running statistics are means of
+# activations whose matrix products ran in 16 bits; after N steps of momentum
+# 0.9 they agree with float32's to about the dtype's relative precision
+# (float16: 2**-11, bfloat16: 2**-8), times a few for accumulation.
+STAT_TOL = {np.dtype(jnp.float16): {"rtol": 1e-2, "atol": 1e-3},
+            np.dtype(jnp.bfloat16): {"rtol": 5e-2, "atol": 1e-2}}
+N_STEPS = 5
+
+
+# --------------------------------------------------------------------------
+# NNX
+
+
+class Counter(nnx.Variable):
+    """A user-defined state variable, written in the forward pass."""
+
+
+class Net(nnx.Module):
+    """Linear-BN-relu-Dropout twice, then a classifier; counts its calls."""
+
+    def __init__(self, rngs: nnx.Rngs, din=12, width=32, dout=5):
+        self.l1 = nnx.Linear(din, width, rngs=rngs)
+        self.bn1 = nnx.BatchNorm(width, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.l2 = nnx.Linear(width, width, rngs=rngs)
+        self.bn2 = nnx.BatchNorm(width, rngs=rngs)  # after dropout: sees its masks
+        self.head = nnx.Linear(width, dout, rngs=rngs)
+        self.calls = Counter(jnp.zeros((), jnp.int32))
+        self.activation_sum = Counter(jnp.zeros((), jnp.float32))
+
+    def __call__(self, x):
+        h = self.drop(nnx.relu(self.bn1(self.l1(x))))
+        h = nnx.relu(self.bn2(self.l2(h)))
+        self.calls[...] += 1
+        self.activation_sum[...] += jnp.sum(h)
+        return self.head(h)
+
+
+def make_net(seed=0):
+    return Net(nnx.Rngs(params=seed, dropout=seed + 1))
+
+
+def batches(n, batch=16, din=12, seed=0):
+    key = jax.random.key(seed)
+    for k in jax.random.split(key, n):
+        kx, ky = jax.random.split(k)
+        yield 2.0 * jax.random.normal(kx, (batch, din)) + 1.0, jax.random.randint(ky, (batch,), 0, 5)
+
+
+def forward(model, x):
+    return model(x)
+
+
+def dtypes(tree):
+    return jax.tree.map(lambda a: a.dtype, tree)
+
+
+def test_nnx_state_updates_kept_under_autocast(low):
+    reference, model = make_net(), make_net()
+    before = dtypes(nnx.state(model))
+    # Under nnx.jit (one compilation instead of op-by-op dispatch); autocast called
+    # eagerly is covered by the dropout and eval-mode tests below.
+    slow, fast = nnx.jit(forward), nnx.jit(mpjax.autocast(forward, dtype=low))
+    for x, _ in batches(N_STEPS):
+        expected = slow(reference, x)
+        out = fast(model, x)
+        assert out.dtype == F32
+        chex.assert_trees_all_close(out, expected, rtol=0.1, atol=0.05)
+
+    # Module state keeps its dtypes: parameters and statistics stay float32.
+    assert dtypes(nnx.state(model)) == before
+    for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
+        chex.assert_type(leaf, jnp.float32)
+    # BatchNorm running statistics follow float32's.
+    stats, expected_stats = nnx.state(model, nnx.BatchStat), nnx.state(reference, nnx.BatchStat)
+    assert not np.allclose(model.bn1.mean[...], 0.0)   # they did move
+    chex.assert_trees_all_close(stats, expected_stats, **STAT_TOL[np.dtype(low)])
+    # RNG counters advanced once per call, as in float32 (the same masks were drawn).
+    assert int(model.drop.rngs.count[...]) == N_STEPS
+    chex.assert_trees_all_equal(nnx.state(model, nnx.RngState), nnx.state(reference, nnx.RngState))
+    # User variables written in the forward pass.
+    assert int(model.calls[...]) == N_STEPS
+    chex.assert_type(model.activation_sum[...], jnp.float32)
+    np.testing.assert_allclose(model.activation_sum[...], reference.activation_sum[...], rtol=2e-2)
+
+
+def test_nnx_dropout_masks_differ_between_steps(low):
+    model = make_net()
+    x = jnp.ones((8, 32))
+    mask = mpjax.autocast(lambda m, x: m.drop(x) != 0, dtype=low)
+    first, second = mask(model, x), mask(model, x)
+    assert 0.2 < float(first.mean()) < 0.8
+    assert bool(jnp.any(first != second))              # the stream advanced
+    # The same masks as float32 draws from an identically seeded model.
+    reference = make_net()
+    chex.assert_trees_all_equal(reference.drop(x) != 0, first)
+    chex.assert_trees_all_equal(reference.drop(x) != 0, second)
+
+
+def test_nnx_eval_mode_under_autocast_is_deterministic(low):
+    model = make_net()
+    fast = mpjax.autocast(forward, dtype=low)
+    for x, _ in batches(2):
+        fast(model, x)                                 # some statistics to use
+    model.eval()
+    stats = jax.tree.map(jnp.copy, nnx.state(model, nnx.BatchStat))
+    x = next(batches(1, seed=1))[0]
+    chex.assert_trees_all_equal(fast(model, x), fast(model, x))
+    chex.assert_trees_all_equal(nnx.state(model, nnx.BatchStat), stats)  # not updated
+
+
+def loss_fn(model, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+def make_train_step(loss):
+    @nnx.jit
+    def train_step(model, optimizer, x, y):
+        value, grads = mpjax.scaled_value_and_grad(
+            loss, optimizer.opt_state, value_and_grad=nnx.value_and_grad)(model, x, y)
+        optimizer.update(model, grads)
+        return value
+    return train_step
+
+
+@pytest.mark.parametrize("low, scaler", [(jnp.float16, "grad_scaler"), (jnp.bfloat16, "noop_scaler")])
+def test_nnx_optimizer_with_scaler_under_autocast(low, scaler):
+    reference, model = make_net(), make_net()
+    ref_opt = nnx.Optimizer(reference, mpjax.noop_scaler(optax.adam(1e-2)), wrt=nnx.Param)
+    opt = nnx.Optimizer(model, getattr(mpjax, scaler)(optax.adam(1e-2)), wrt=nnx.Param)
+    ref_step, step = make_train_step(loss_fn), make_train_step(mpjax.autocast(loss_fn, dtype=low))
+    initial = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
+
+    ref_losses, losses = [], []
+    for x, y in batches(N_STEPS):
+        ref_losses.append(ref_step(reference, ref_opt, x, y))
+        losses.append(step(model, opt, x, y))
+    chex.assert_trees_all_close(losses, ref_losses, rtol=5e-2)
+    assert losses[-1] < losses[0]
+
+    stats = mpjax.scaler_stats(opt.opt_state)
+    assert int(stats["skipped_steps"]) == 0
+    assert int(nnx.as_pure(opt.opt_state).inner_state[0].count) == N_STEPS
+    # Parameters moved, stay float32, and follow float32's run.
+    params = nnx.state(model, nnx.Param)
+    for leaf in jax.tree.leaves(params):
+        chex.assert_type(leaf, jnp.float32)
+    assert not np.allclose(params["head"]["kernel"][...], initial["head"]["kernel"][...])
+    # Adam's steps are near +-lr wherever a gradient is near 0, whatever its rounding,
+    # so single entries may differ by a few lr: compare distances instead. The two
+    # runs end closer to each other than a tenth of the way they travelled.
+    travelled = optax.tree.norm(jax.tree.map(jnp.subtract, nnx.state(reference, nnx.Param), initial))
+    apart = optax.tree.norm(jax.tree.map(jnp.subtract, params, nnx.state(reference, nnx.Param)))
+    assert float(apart) < 0.1 * float(travelled), (float(apart), float(travelled))
+    # Forward-pass state through nnx.value_and_grad and nnx.jit: kept, as in float32.
+    chex.assert_trees_all_close(nnx.state(model, nnx.BatchStat),
+                                nnx.state(reference, nnx.BatchStat), **STAT_TOL[np.dtype(low)])
+    assert int(model.drop.rngs.count[...]) == N_STEPS
+    assert int(model.calls[...]) == N_STEPS
+
+
+def test_nnx_whole_train_step_under_autocast():
+    """The module and the nnx.Optimizer both pass through autocast: every update kept."""
+    reference, model = make_net(), make_net()
+    ref_opt = nnx.Optimizer(reference, mpjax.noop_scaler(optax.adam(1e-2)), wrt=nnx.Param)
+    opt = nnx.Optimizer(model, mpjax.grad_scaler(optax.adam(1e-2)), wrt=nnx.Param)
+    before = dtypes(nnx.state(opt))
+
+    def train_step(model, optimizer, x, y):
+        value, grads = mpjax.scaled_value_and_grad(
+            loss_fn, optimizer.opt_state, value_and_grad=nnx.value_and_grad)(model, x, y)
+        optimizer.update(model, grads)
+        return value
+
+    fast, slow = nnx.jit(mpjax.autocast(train_step)), nnx.jit(train_step)
+    for x, y in batches(3):
+        np.testing.assert_allclose(fast(model, opt, x, y), slow(reference, ref_opt, x, y), rtol=5e-2)
+    assert dtypes(nnx.state(opt)) == before            # Adam's moments stay float32
+    assert int(opt.step[...]) == 3 and int(model.calls[...]) == 3
+    assert int(nnx.as_pure(opt.opt_state).inner_state[0].count) == 3
+    assert int(mpjax.scaler_stats(opt)["growth_tracker"]) == 3
+    chex.assert_trees_all_close(nnx.state(model, nnx.BatchStat),
+                                nnx.state(reference, nnx.BatchStat), **STAT_TOL[np.dtype(jnp.float16)])
+
+
+def test_nnx_optimizer_skips_float16_overflow_exactly():
+    """A scale too large for float16's backward pass: steps are skipped, the scale
+    backs off, parameters and Adam's moments stay as they were, until it fits."""
+    model = make_net()
+    opt = nnx.Optimizer(model, mpjax.grad_scaler(optax.adam(1e-2), init_scale=2.0**40),
+                        wrt=nnx.Param)
+    step = make_train_step(mpjax.autocast(loss_fn))
+    initial = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
+    data = list(batches(1)) * 40
+    x, y = data[0]
+    step(model, opt, x, y)
+    stats = mpjax.scaler_stats(opt.opt_state)
+    assert bool(stats["last_step_skipped"]) and float(stats["scale"]) == 2.0**39
+    chex.assert_trees_all_equal(nnx.state(model, nnx.Param), initial)
+    assert int(nnx.as_pure(opt.opt_state).inner_state[0].count) == 0
+    # Forward-pass state is not the scaler's to guard: it moved, as in torch.
+    assert int(model.calls[...]) == 1
+
+    for x, y in data[1:]:
+        value = step(model, opt, x, y)
+        assert np.isfinite(float(value))
+    stats = mpjax.scaler_stats(opt.opt_state)
+    assert not bool(stats["last_step_skipped"])
+    skipped = int(stats["skipped_steps"])
+    assert 1 < skipped < 40 and float(stats["scale"]) == 2.0 ** (40 - skipped)
+    assert int(nnx.as_pure(opt.opt_state).inner_state[0].count) == 40 - skipped
+    for leaf in jax.tree.leaves(nnx.state(model)):
+        assert bool(jnp.all(jnp.isfinite(leaf))) if jnp.issubdtype(leaf.dtype, jnp.floating) else True
+
+
+# --------------------------------------------------------------------------
+# Linen
+
+
+class LinenCNN(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Conv(8, (3, 3))(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        x = nn.Dropout(0.25, deterministic=not train)(nn.relu(x))
+        x = nn.Conv(8, (3, 3), strides=(2, 2))(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        x = nn.relu(x).mean(axis=(1, 2))
+        return nn.Dense(4)(x)
+
+
+def linen_setup():
+    model = LinenCNN()
+    x = 3.0 * jax.random.normal(jax.random.key(0), (16, 8, 8, 1)) + 1.0
+    variables = model.init(jax.random.key(1), x, train=False)
+    return model, variables, x
+
+
+def test_linen_batch_stats_come_back_at_original_dtypes(low):
+    model, variables, x = linen_setup()
+    rngs = {"dropout": jax.random.key(2)}
+    expected, expected_updates = jax.jit(
+        lambda v, x: model.apply(v, x, rngs=rngs, mutable=["batch_stats"]))(variables, x)
+    fast = mpjax.autocast(model.apply, dtype=low)
+    out, updates = jax.jit(lambda v, x: fast(v, x, rngs=rngs, mutable=["batch_stats"]))(
+        variables, x)
+    chex.assert_type(out, jnp.float32)
+    chex.assert_trees_all_equal_dtypes(updates, expected_updates)
+    chex.assert_trees_all_equal_dtypes(updates["batch_stats"], variables["batch_stats"])
+    chex.assert_trees_all_close(updates, expected_updates, **STAT_TOL[np.dtype(low)])
+    chex.assert_trees_all_close(out, expected, rtol=0.1, atol=0.05)
+    # Inference: running averages, no dropout, nothing mutable.
+    out_eval = jax.jit(lambda v, x: fast(v, x, train=False))(variables, x)
+    expected_eval = jax.jit(lambda v, x: model.apply(v, x, train=False))(variables, x)
+    chex.assert_trees_all_close(out_eval, expected_eval, rtol=0.1, atol=0.05)
+
+
+def test_linen_matmuls_run_in_low_dtype(low):
+    model, variables, x = linen_setup()
+    fast = mpjax.autocast(model.apply, dtype=low)
+    jaxpr = jax.make_jaxpr(
+        lambda v, x: fast(v, x, rngs={"dropout": jax.random.key(2)}, mutable=["batch_stats"]))(
+            variables, x)
+    products = [e for e in all_eqns(jaxpr)
+                if e.primitive.name in ("dot_general", "conv_general_dilated")]
+    assert sorted(e.primitive.name for e in products) == [
+        "conv_general_dilated", "conv_general_dilated", "dot_general"]
+    for eqn in products:
+        assert {np.dtype(v.aval.dtype) for v in eqn.invars} == {np.dtype(low)}, eqn
+        assert {np.dtype(v.aval.dtype) for v in eqn.outvars} == {np.dtype(low)}, eqn
+    out_avals = jaxpr.out_avals
+    assert all(a.dtype == F32 for a in out_avals)
+
+
+def test_linen_training_with_batch_stats_and_scaler():
+    model, variables, x = linen_setup()
+    y = jnp.arange(16) % 4
+    params, batch_stats = variables["params"], variables["batch_stats"]
+    apply = mpjax.autocast(model.apply)
+    tx = mpjax.grad_scaler(optax.adam(1e-2))
+    opt_state = tx.init(params)
+
+    def loss_fn(params, batch_stats, x, y, key):
+        logits, updates = apply({"params": params, "batch_stats": batch_stats}, x,
+                                rngs={"dropout": key}, mutable=["batch_stats"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return loss, updates["batch_stats"]
+
+    @jax.jit
+    def step(params, batch_stats, opt_state, key):
+        (loss, batch_stats), grads = mpjax.scaled_value_and_grad(
+            loss_fn, opt_state, has_aux=True)(params, batch_stats, x, y, key)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), batch_stats, opt_state, loss
+
+    losses = []
+    for key in jax.random.split(jax.random.key(3), N_STEPS):
+        params, batch_stats, opt_state, loss = step(params, batch_stats, opt_state, key)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+    chex.assert_trees_all_equal_dtypes(params, variables["params"])
+    chex.assert_trees_all_equal_dtypes(batch_stats, variables["batch_stats"])
+    chex.assert_tree_all_finite((params, batch_stats))
+    assert int(mpjax.scaler_stats(opt_state)["skipped_steps"]) == 0
