@@ -47,6 +47,7 @@ def _table(rule: Rule, names: Iterable[str]) -> dict[str, Rule]:
     return {name: rule for name in names}
 
 
+# fmt: off
 # Matrix products and convolutions: the work tensor cores accelerate.
 LOW_PRECISION = _table(Rule.LOW, [
     "dot_general",
@@ -107,6 +108,8 @@ AS_RECEIVED = _table(Rule.AS_RECEIVED, [
     "psum", "pmax", "pmin", "ppermute", "all_gather", "all_to_all",
     "psum_scatter", "reduce_scatter", "axis_index", "pbroadcast",
 ])
+
+# fmt: on
 
 POLICY: dict[str, Rule] = {**LOW_PRECISION, **FLOAT32, **WIDEST, **AS_RECEIVED}
 """Every primitive with a rule; anything else is `Rule.ORIGINAL`."""

@@ -35,7 +35,7 @@ FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>```+|~~~+)(?P<info>[^\n]*)$")
 
 # Run again in a fresh process with 8 simulated CPU devices: the recipe promises
 # it works on one device and on a mesh of several.
-MULTI_DEVICE = {"data_parallel.py"}
+MULTI_DEVICE = {"data_parallel.py", "shard_map_data_parallel.py"}
 
 
 def _env(**extra) -> dict:

@@ -80,3 +80,20 @@ def test_help(name, capsys):
         load(name).main(["--help"])
     assert exit_info.value.code == 0
     assert "--steps" in capsys.readouterr().out
+
+
+def test_data_parallel(capsys):
+    import jax
+
+    data_parallel = load("data_parallel")
+    result = data_parallel.main(["--steps", "6", "--batch-size", "32"])
+    assert result["devices"] == jax.device_count() == 8      # conftest: 8 simulated devices
+    single, parallel = result["single"], result["parallel"]
+    # The same skip decisions and scale, and parameters replicated on every device.
+    assert single["skipped_steps"] == parallel["skipped_steps"]
+    assert single["final_scale"] == parallel["final_scale"]
+    assert parallel["kernel_sharding"].is_fully_replicated
+    # The runs differ by rounding (the all-reduce sums in another order), far less
+    # than the distance the parameters travelled.
+    assert result["relative_param_diff"] < 0.1
+    assert "8 devices, data parallel" in capsys.readouterr().out
