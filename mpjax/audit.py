@@ -8,6 +8,7 @@ import math
 from typing import Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mpjax import _compat
@@ -139,7 +140,9 @@ def _walk(jaxpr, path: str = "", repeat: int = 1):
                                   path, _compat.user_frame(eqn)))
         if name == "convert_element_type":
             src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
-            casts += src != dst and np.issubdtype(src, np.floating) and np.issubdtype(dst, np.floating)
+            # jnp.issubdtype: numpy does not count bfloat16 as floating.
+            casts += src != dst and jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(
+                dst, jnp.floating)
         elif name in _MATMULS:
             n = _matmul_flops(eqn) * repeat
             flops += n

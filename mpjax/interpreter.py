@@ -677,5 +677,6 @@ def _autocast_call(fun, region: Region, args, kwargs):
     ctx = Context(region, Scope())
     outs, _ = eval_jaxpr(ctx, jaxpr, consts, dynamic_leaves, [False] * len(dynamic_leaves))
     out_leaves, out_tree = jax.tree.flatten(out_shape)
-    outs = [ctx.scope.cast(o, s.dtype) for o, s in zip(outs, out_leaves)]
+    # jnp.asarray: an output that is a literal comes back a jax.Array, as from `fun`.
+    outs = [jnp.asarray(ctx.scope.cast(o, s.dtype)) for o, s in zip(outs, out_leaves)]
     return jax.tree.unflatten(out_tree, outs)

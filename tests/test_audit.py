@@ -62,3 +62,9 @@ def test_audit_of_a_gradient_is_not_confused_with_the_autocast_function():
 def test_audit_rejects_non_callables():
     with pytest.raises(TypeError, match="audit\\(fun, ...\\): fun must be callable"):
         mpjax.audit("f", 1)
+
+
+def test_bfloat16_casts_are_counted():
+    report = mpjax.audit(mpjax.autocast(lambda w: jnp.sum(w @ w), dtype=jnp.bfloat16),
+                         jnp.ones((3, 3)))
+    assert report.float_casts == report.casts_inserted == 2   # w down, the product up

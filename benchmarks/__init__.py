@@ -1,0 +1,13 @@
+"""Benchmarks of mpjax (issue 5): memory, precision coverage, overhead, GPU speed.
+
+    python -m benchmarks [--smoke | --quick] [--gpu] [--json PATH]
+
+Modules: `models` (the Flax GPT and ResNet), `variants` (float32, autocast,
+hand-cast), `memory` (vjp residuals), `stablehlo` (coverage of the lowered step),
+`timing` (CPU overheads), `gpu` (step time per variant, one process each),
+`report` (tables and targets), `cli` (the entry point).
+"""
+
+from benchmarks.cli import main
+
+__all__ = ["main"]

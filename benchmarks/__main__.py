@@ -1,0 +1,5 @@
+"""``python -m benchmarks``: see `benchmarks.cli`."""
+
+from benchmarks.cli import main
+
+main()

@@ -1,0 +1,133 @@
+"""The precision variants compared, and the training step each one runs.
+
+A variant is one row of `VARIANTS`; adding one (a new autocast policy, say) is one
+line there. Every variant trains float32 parameters with the same optimizer; they
+differ in how the forward pass is cast and whether the loss is scaled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import mpjax
+from benchmarks.models import ModelSpec, cross_entropy
+
+F16, BF16 = jnp.float16, jnp.bfloat16
+
+COMPILER_OPTIONS: dict = {}
+"""XLA options for every compilation the benchmarks make. --smoke sets options that
+compile about 3x faster (and run slower), since it measures nothing that matters."""
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def jit(fun: Callable, **kwargs) -> Callable:
+    """`jax.jit` with `COMPILER_OPTIONS`."""
+    return jax.jit(fun, compiler_options=dict(COMPILER_OPTIONS) or None, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """How a model is run in (mixed) precision.
+
+    Attributes:
+      module_dtype: the Flax modules' ``dtype``: None for the float32 model,
+        a 16-bit dtype for the model cast by hand.
+      autocast: the dtype for ``mpjax.autocast(model.apply, dtype=...)``; None
+        runs ``model.apply`` as it is.
+      autocast_kwargs: further keyword arguments of `mpjax.autocast` (a policy).
+      scaler: wrap the optimizer in `mpjax.grad_scaler` and differentiate with
+        `mpjax.scaled_value_and_grad`.
+      baseline: the variant this one is compared against (same 16-bit dtype,
+        cast by hand), or None.
+    """
+
+    module_dtype: Any = None
+    autocast: Any = None
+    autocast_kwargs: dict = dataclasses.field(default_factory=dict)
+    scaler: bool = False
+    baseline: str | None = None
+
+    @property
+    def low_dtype(self):
+        return self.autocast if self.autocast is not None else self.module_dtype
+
+
+VARIANTS: dict[str, Variant] = {
+    "float32": Variant(),
+    "autocast-f16": Variant(autocast=F16, scaler=True, baseline="handcast-f16"),
+    "autocast-bf16": Variant(autocast=BF16, baseline="handcast-bf16"),
+    "handcast-f16": Variant(module_dtype=F16, scaler=True),
+    "handcast-bf16": Variant(module_dtype=BF16),
+}
+"""Every variant benchmarked, by name. bfloat16 has float32's range, so its
+variants need no loss scaling; float16's do (the hand-cast one too)."""
+
+# A memory-lean autocast policy, measured as soon as mpjax offers one.
+if "policy" in inspect.signature(mpjax.autocast).parameters:
+    VARIANTS["autocast-f16-lean"] = Variant(
+        autocast=F16, autocast_kwargs=dict(policy="lean"), scaler=True, baseline="handcast-f16"
+    )
+    VARIANTS["autocast-bf16-lean"] = Variant(
+        autocast=BF16, autocast_kwargs=dict(policy="lean"), baseline="handcast-bf16"
+    )
+
+
+def forward(spec: ModelSpec, variant: Variant) -> Callable:
+    """``apply(params, inputs) -> logits`` of the model in this variant."""
+    apply = spec.module(variant.module_dtype).apply
+    if variant.autocast is not None:
+        apply = mpjax.autocast(apply, dtype=variant.autocast, **variant.autocast_kwargs)
+    return apply
+
+
+def loss_fn(spec: ModelSpec, variant: Variant) -> Callable:
+    """``loss(params, batch) -> scalar float32``."""
+    apply = forward(spec, variant)
+
+    def loss(params, batch):
+        return cross_entropy(apply(params, batch["inputs"]), batch["targets"])
+
+    return loss
+
+
+def optimizer(variant: Variant, scaler: bool | None = None) -> optax.GradientTransformation:
+    """AdamW, wrapped in the grad scaler if the variant (or `scaler`) says so."""
+    tx = optax.adamw(3e-4, weight_decay=0.1)
+    return mpjax.grad_scaler(tx) if (variant.scaler if scaler is None else scaler) else tx
+
+
+def train_step(
+    spec: ModelSpec, variant: Variant, scaler: bool | None = None
+) -> tuple[Callable, Any]:
+    """``(step, tx)``: one full training step (forward, backward, optimizer), unjitted.
+
+    ``step(params, opt_state, batch) -> (params, opt_state, loss)``. A new function
+    each call, so that jit's caches never hand a compiled step to a timing.
+    """
+    loss = loss_fn(spec, variant)
+    scaled = variant.scaler if scaler is None else scaler
+    tx = optimizer(variant, scaled)
+
+    def step(params, opt_state, batch):
+        if scaled:
+            value, grads = mpjax.scaled_value_and_grad(loss, opt_state)(params, batch)
+        else:
+            value, grads = jax.value_and_grad(loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return step, tx
+
+
+def step_specs(spec: ModelSpec, tx) -> tuple:
+    """Abstract (params, opt_state, batch): enough to trace, lower and compile."""
+    params = spec.param_spec()
+    return params, jax.eval_shape(tx.init, params), spec.batch_spec()

@@ -1,0 +1,115 @@
+"""Smoke test of the benchmarks (issue 5): the entry point runs at its smallest size
+and its results have the expected structure. No timing is asserted: CI machines are
+shared and noisy."""
+
+import importlib
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+
+# `benchmarks/` sits beside `mpjax/` in the repository and is not installed.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+benchmarks = importlib.import_module("benchmarks")
+stablehlo = importlib.import_module("benchmarks.stablehlo")
+VARIANTS = importlib.import_module("benchmarks.variants").VARIANTS
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "b.json"
+    out = benchmarks.main(["--smoke", "--json", str(path)])
+    return out, json.loads(path.read_text())
+
+
+def test_json_matches_returned_results(results):
+    out, written = results
+    assert written["meta"]["mode"] == "smoke"
+    assert written["meta"]["command"].startswith("python -m benchmarks --smoke")
+    assert written["memory"] == json.loads(json.dumps(out["memory"]))
+    assert set(written) >= {
+        "meta",
+        "memory",
+        "coverage",
+        "compile",
+        "scaler",
+        "eager",
+        "fidelity",
+        "targets",
+    }
+
+
+def test_memory(results):
+    _, out = results
+    for family in ("gpt", "resnet"):
+        mem = out["memory"][family]
+        assert set(mem) == set(VARIANTS)
+        for m in mem.values():
+            assert m["activation_bytes"] > 0
+            assert sum(m["by_dtype"].values()) == m["activation_bytes"]
+            assert m["all_bytes"] == m["activation_bytes"] + m["argument_bytes"]
+        assert mem["float32"]["forward_float_casts"] == 0
+        # 16-bit variants keep 16-bit residuals; float32 keeps none.
+        assert "bfloat16" in mem["handcast-bf16"]["by_dtype"]
+        assert "bfloat16" in mem["autocast-bf16"]["by_dtype"]
+        assert "bfloat16" not in mem["float32"]["by_dtype"]
+
+
+def test_coverage(results):
+    _, out = results
+    for family in ("gpt", "resnet"):
+        cov = out["coverage"][family]
+        flops = {c["matmul_flops"] for c in cov.values()}
+        assert len(flops) == 1 and flops.pop() > 0  # every variant does the same matrix work
+        assert cov["float32"]["low_precision_fraction"] == 0.0
+        assert cov["float32"]["float_converts"] == 0
+        for name, c in cov.items():
+            if name != "float32":
+                assert c["low_precision_fraction"] == 1.0, name
+                assert c["float_converts"] > 0
+
+
+def test_timings_are_positive(results):
+    _, out = results
+    comp = out["compile"]["gpt"]
+    assert set(comp) >= {"float32", "autocast-bf16"}
+    for m in comp.values():
+        assert all(m[k] > 0 for k in ("trace", "lower", "compile", "total"))
+    assert comp["float32"]["ratio_total"] == 1.0
+    for section in ("scaler", "eager"):
+        assert out[section]["gpt"]["ratio"] > 0
+    fid = out["fidelity"]["gpt"]
+    assert fid["float32"]["grad_rel_err"] == 0.0
+    assert all(math.isfinite(v["loss"]) and v["grad_rel_err"] < 0.2 for v in fid.values())
+
+
+def test_targets_table(results):
+    _, out = results
+    whats = [t["what"] for t in out["targets"]]
+    assert any("activation bytes / float32" in w for w in whats)
+    assert any("in 16 bit" in w for w in whats)
+    assert all(isinstance(t["met"], bool) for t in out["targets"])
+
+
+def test_stablehlo_parser_counts_calls_once_per_call_site():
+    text = """
+  func.func public @main(%arg0: tensor<2x3xbf16>, %arg1: tensor<3x4xbf16>) -> tensor<2x4xf32> {
+    %0 = call @inner(%arg0, %arg1) : (tensor<2x3xbf16>, tensor<3x4xbf16>) -> tensor<2x4xbf16>
+    %1 = call @inner(%arg0, %arg1) : (tensor<2x3xbf16>, tensor<3x4xbf16>) -> tensor<2x4xbf16>
+    %2 = stablehlo.convert %0 : (tensor<2x4xbf16>) -> tensor<2x4xf32>
+    %3 = stablehlo.dot_general %2, %2, contracting_dims = [1] x [1] : (tensor<2x4xf32>, tensor<2x4xf32>) -> tensor<2x2xf32>
+    return %2 : tensor<2x4xf32>
+  }
+  func.func private @inner(%arg0: tensor<2x3xbf16>, %arg1: tensor<3x4xbf16>) -> tensor<2x4xbf16> {
+    %0 = stablehlo.dot_general %arg0, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x3xbf16>, tensor<3x4xbf16>) -> tensor<2x4xbf16>
+    return %0 : tensor<2x4xbf16>
+  }
+"""
+    cov = stablehlo.coverage(text)
+    low = 2 * (2 * 2 * 4 * 3)  # two calls of a 2x3 @ 3x4 product
+    assert cov.low_precision_flops == low
+    assert cov.matmul_flops == low + 2 * (2 * 2) * 4
+    assert cov.n_matmuls == 3 and cov.n_low_matmuls == 2
+    assert cov.float_converts == 1 and cov.float_convert_elements == 8
