@@ -29,28 +29,40 @@ MARKER = "<!-- mpjax:policy-tables -->"
 # The tables in the order the page shows them, with what each rule means for the
 # reader. Every `Rule` must appear here or in `_ORIGINAL_TEXT` (checked below).
 _TABLES = [
-    ("LOW_PRECISION", "Low precision",
-     "Floating inputs are cast to the region's dtype (`float16` by default, or "
-     "`bfloat16`), and the result is in that dtype too (a float32 "
-     "`preferred_element_type` is replaced by it). This is the work that tensor "
-     "cores and TPU matrix units accelerate."),
-    ("FLOAT32", "Float32",
-     "Floating inputs are cast to `float32`, and the result is `float32`. These "
-     "lose range or accuracy in 16 bits: exponentials and logarithms, powers, "
-     "special functions, and every reduction or scan that accumulates. "
-     "`softmax`, `log_softmax`, `logsumexp`, layer and RMS norm, `mean` and "
-     "`var`, and the optax losses are built from these, so they run in float32 "
-     "by composition."),
-    ("WIDEST", "Widest input",
-     "Operations with several floating inputs that must agree. They are cast to "
-     "the widest *non-weak* input: a Python scalar, or a value computed from "
-     "literals alone (`jnp.arange`, the `-1e9` of a mask) never widens an "
-     "operation, as in JAX's own promotion. float16 with bfloat16 gives float32."),
-    ("AS_RECEIVED", "As received",
-     "Run in whatever dtype the inputs arrive in: layout and indexing, sign and "
-     "rounding, bounded elementwise functions, selections and orderings, "
-     "collectives. They are exact, or as accurate as their input, in any "
-     "precision."),
+    (
+        "LOW_PRECISION",
+        "Low precision",
+        "Floating inputs are cast to the region's dtype (`float16` by default, or "
+        "`bfloat16`), and the result is in that dtype too (a float32 "
+        "`preferred_element_type` is replaced by it). This is the work that tensor "
+        "cores and TPU matrix units accelerate.",
+    ),
+    (
+        "FLOAT32",
+        "Float32",
+        "Floating inputs are cast to `float32`, and the result is `float32`. These "
+        "lose range or accuracy in 16 bits: exponentials and logarithms, powers, "
+        "special functions, and every reduction or scan that accumulates. "
+        "`softmax`, `log_softmax`, `logsumexp`, layer and RMS norm, `mean` and "
+        "`var`, and the optax losses are built from these, so they run in float32 "
+        "by composition.",
+    ),
+    (
+        "WIDEST",
+        "Widest input",
+        "Operations with several floating inputs that must agree. They are cast to "
+        "the widest *non-weak* input: a Python scalar, or a value computed from "
+        "literals alone (`jnp.arange`, the `-1e9` of a mask) never widens an "
+        "operation, as in JAX's own promotion. float16 with bfloat16 gives float32.",
+    ),
+    (
+        "AS_RECEIVED",
+        "As received",
+        "Run in whatever dtype the inputs arrive in: layout and indexing, sign and "
+        "rounding, bounded elementwise functions, selections and orderings, "
+        "collectives. They are exact, or as accurate as their input, in any "
+        "precision.",
+    ),
 ]
 
 _ORIGINAL_TEXT = (
@@ -58,21 +70,27 @@ _ORIGINAL_TEXT = (
     "floating inputs are cast back to the dtypes they had when the function was "
     "traced (`Rule.ORIGINAL`). This is always type-correct, so a primitive "
     "mpjax does not know, including one from a newer JAX, is never an error; it "
-    "just gets no speed-up.")
+    "just gets no speed-up."
+)
 
 
 def _source_groups(source: str, table: str) -> list[tuple[str, list[str]]]:
     """The names of `table` in `policy.py`, grouped under the comments above them."""
     tree = ast.parse(source)
     for node in tree.body:
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1
-                and isinstance(node.targets[0], ast.Name) and node.targets[0].id == table):
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and node.targets[0].id == table
+        ):
             call = node.value
             break
     else:
         raise RuntimeError(f"docs/hooks.py: no `{table} = _table(...)` in mpjax/policy.py")
-    if not (isinstance(call, ast.Call) and len(call.args) == 2
-            and isinstance(call.args[1], ast.List)):
+    if not (
+        isinstance(call, ast.Call) and len(call.args) == 2 and isinstance(call.args[1], ast.List)
+    ):
         raise RuntimeError(f"docs/hooks.py: `{table}` is not `_table(rule, [names])`")
     items = call.args[1]
     comments = {}
@@ -99,14 +117,12 @@ def _names(names: list[str]) -> str:
 # For handlers without a docstring of their own.
 _HANDLER_TEXT = {
     "_remat": "The body is autocast inside a new `jax.checkpoint` with the same "
-              "rematerialization policy.",
-    "_shard_map": "The body is autocast inside a new `jax.shard_map` over the same mesh "
-                  "and specs.",
+    "rematerialization policy.",
+    "_shard_map": "The body is autocast inside a new `jax.shard_map` over the same mesh and specs.",
     "_scan": "The body is autocast. Each carry keeps a dtype the body maps to itself; "
-             "casts of loop-invariant values and of whole `xs` are made once, outside "
-             "the loop.",
-    "_while": "The condition and the body are autocast; carries and hoisted casts as "
-              "for `scan`.",
+    "casts of loop-invariant values and of whole `xs` are made once, outside "
+    "the loop.",
+    "_while": "The condition and the body are autocast; carries and hoisted casts as for `scan`.",
 }
 
 
@@ -129,9 +145,11 @@ def policy_markdown() -> str:
 
     out = []
     total = len(policy.POLICY)
-    out.append(f"{total} primitives have a rule. The dtypes autocast moves between are "
-               f"{_names(sorted(np.dtype(d).name for d in policy.CASTABLE))}; every other "
-               "dtype (float64, integers, booleans, PRNG keys, fp8) is never touched.\n")
+    out.append(
+        f"{total} primitives have a rule. The dtypes autocast moves between are "
+        f"{_names(sorted(np.dtype(d).name for d in policy.CASTABLE))}; every other "
+        "dtype (float64, integers, booleans, PRNG keys, fp8) is never touched.\n"
+    )
     out.append("| table | rule | primitives |\n|---|---|---:|")
     for name, title, _ in _TABLES:
         table = getattr(policy, name)
@@ -149,8 +167,10 @@ def policy_markdown() -> str:
         groups = _source_groups(source, name)
         listed = [n for _, names in groups for n in names]
         if listed != list(table):
-            raise RuntimeError(f"docs/hooks.py: could not read `{name}` from policy.py "
-                               f"(read {listed}, imported {list(table)})")
+            raise RuntimeError(
+                f"docs/hooks.py: could not read `{name}` from policy.py "
+                f"(read {listed}, imported {list(table)})"
+            )
         out.append(f"## {title}\n")
         out.append(f"`mpjax.policy.{name}`, `Rule.{rule.name}`: {text}\n")
         if len(groups) == 1:
@@ -163,25 +183,31 @@ def policy_markdown() -> str:
 
     out.append("## Anything else\n")
     out.append(_ORIGINAL_TEXT + "\n")
-    out.append("`convert_element_type` (`x.astype(...)`) has a rule of its own: a cast "
-               "to a dtype other than the traced input's is kept as written; a cast that "
-               "did nothing when traced (to the dtype the value already had) is dropped, "
-               "since in the traced program it only stripped a weak type. See "
-               "[Keeping a region in float32](recipes/float32_region.md).\n")
+    out.append(
+        "`convert_element_type` (`x.astype(...)`) has a rule of its own: a cast "
+        "to a dtype other than the traced input's is kept as written; a cast that "
+        "did nothing when traced (to the dtype the value already had) is dropped, "
+        "since in the traced program it only stripped a weak type. See "
+        "[Keeping a region in float32](recipes/float32_region.md).\n"
+    )
 
     overrides = getattr(policy, "LEAN_OVERRIDES", None)
     if overrides is not None:
         out.append("## Lean overrides\n")
-        out.append("With `policy=\"lean\"`, these rules replace the ones above "
-                   "(`mpjax.policy.LEAN_OVERRIDES`):\n")
+        out.append(
+            'With `policy="lean"`, these rules replace the ones above '
+            "(`mpjax.policy.LEAN_OVERRIDES`):\n"
+        )
         out.append("| primitive | default rule | lean rule |\n|---|---|---|")
         for prim, rule in overrides.items():
             out.append(f"| `{prim}` | `Rule.{policy.rule_for(prim).name}` | `Rule.{rule.name}` |")
         out.append("")
 
     out.append("## Higher-order primitives\n")
-    out.append("These are not policy. The interpreter recurses into their bodies and "
-               "applies the tables inside (`mpjax.interpreter.HIGHER_ORDER`):\n")
+    out.append(
+        "These are not policy. The interpreter recurses into their bodies and "
+        "applies the tables inside (`mpjax.interpreter.HIGHER_ORDER`):\n"
+    )
     out.append("| primitives | handled by | what it does |\n|---|---|---|")
     by_handler: dict = {}
     for prim, handler in interpreter.HIGHER_ORDER.items():
@@ -191,12 +217,16 @@ def policy_markdown() -> str:
     out.append("")
     if "custom_vjp_call" not in interpreter.HIGHER_ORDER:
         rule = policy.rule_for("custom_vjp_call")
-        out.append(f"`custom_vjp_call` is deliberately not among them: a `jax.custom_vjp` "
-                   f"function runs as written, at its original input dtypes "
-                   f"(`Rule.{rule.name}`), so its forward and backward rules stay exact. "
-                   "See [Custom derivatives](recipes/custom_derivatives.md).\n")
-    out.append("Every other higher-order primitive (`pallas_call`, `custom_linear_solve`, "
-               "`xla_pmap`, ...) is an unknown primitive: it runs as traced, body included.\n")
+        out.append(
+            f"`custom_vjp_call` is deliberately not among them: a `jax.custom_vjp` "
+            f"function runs as written, at its original input dtypes "
+            f"(`Rule.{rule.name}`), so its forward and backward rules stay exact. "
+            "See [Custom derivatives](recipes/custom_derivatives.md).\n"
+        )
+    out.append(
+        "Every other higher-order primitive (`pallas_call`, `custom_linear_solve`, "
+        "`xla_pmap`, ...) is an unknown primitive: it runs as traced, body included.\n"
+    )
     return "\n".join(out)
 
 

@@ -36,18 +36,50 @@ from tqdm.auto import tqdm
 import mpjax
 
 MODES = ("float32", "bfloat16", "float16")
-LABELS = {"float32": "float32", "bfloat16": "bfloat16 autocast",
-          "float16": "float16 autocast + grad_scaler"}
+LABELS = {
+    "float32": "float32",
+    "bfloat16": "bfloat16 autocast",
+    "float16": "float16 autocast + grad_scaler",
+}
 
 # Modules whose source makes up the corpus (those missing from a Python build are skipped).
 STDLIB_FILES = (
-    "argparse.py", "ast.py", "calendar.py", "collections/__init__.py", "configparser.py",
-    "csv.py", "dataclasses.py", "datetime.py", "decimal.py", "difflib.py", "enum.py",
-    "fractions.py", "functools.py", "gettext.py", "heapq.py", "inspect.py",
-    "ipaddress.py", "json/decoder.py", "json/encoder.py", "logging/__init__.py",
-    "pathlib.py", "pickle.py", "pprint.py", "random.py", "shutil.py", "statistics.py",
-    "string.py", "subprocess.py", "tarfile.py", "textwrap.py", "threading.py",
-    "tokenize.py", "typing.py", "urllib/parse.py", "uuid.py", "zipfile.py",
+    "argparse.py",
+    "ast.py",
+    "calendar.py",
+    "collections/__init__.py",
+    "configparser.py",
+    "csv.py",
+    "dataclasses.py",
+    "datetime.py",
+    "decimal.py",
+    "difflib.py",
+    "enum.py",
+    "fractions.py",
+    "functools.py",
+    "gettext.py",
+    "heapq.py",
+    "inspect.py",
+    "ipaddress.py",
+    "json/decoder.py",
+    "json/encoder.py",
+    "logging/__init__.py",
+    "pathlib.py",
+    "pickle.py",
+    "pprint.py",
+    "random.py",
+    "shutil.py",
+    "statistics.py",
+    "string.py",
+    "subprocess.py",
+    "tarfile.py",
+    "textwrap.py",
+    "threading.py",
+    "tokenize.py",
+    "typing.py",
+    "urllib/parse.py",
+    "uuid.py",
+    "zipfile.py",
 )
 
 
@@ -57,7 +89,7 @@ def load_corpus(max_bytes: int, val_fraction: float):
     chunks = []
     for name in STDLIB_FILES:
         path = os.path.join(stdlib, name)
-        if os.path.exists(path):          # zipfile.py is a package on newer Pythons
+        if os.path.exists(path):  # zipfile.py is a package on newer Pythons
             with open(path, "rb") as f:
                 chunks.append(f.read())
         elif os.path.exists(path[:-3] + "/__init__.py"):
@@ -136,12 +168,13 @@ def train(mode: str, corpus, args) -> dict:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
-    rng = np.random.default_rng(args.seed)     # the same batches in every run
+    rng = np.random.default_rng(args.seed)  # the same batches in every run
     losses = []
     start = time.perf_counter()
     for _ in tqdm(range(args.steps), desc=f"{mode:>8}", disable=args.no_progress, leave=False):
-        params, opt_state, value = step(params, opt_state, *batch(train_data, rng, args.batch_size,
-                                                                  args.context))
+        params, opt_state, value = step(
+            params, opt_state, *batch(train_data, rng, args.batch_size, args.context)
+        )
         losses.append(value)
     losses = np.asarray(jax.device_get(losses))
     seconds = time.perf_counter() - start
@@ -149,18 +182,26 @@ def train(mode: str, corpus, args) -> dict:
     # Validation on the same fixed windows for every run.
     eval_loss = jax.jit(loss_fn)
     val_rng = np.random.default_rng(12345)
-    val = [float(eval_loss(params, *batch(val_data, val_rng, args.batch_size, args.context)))
-           for _ in range(args.val_batches)]
+    val = [
+        float(eval_loss(params, *batch(val_data, val_rng, args.batch_size, args.context)))
+        for _ in range(args.val_batches)
+    ]
     stats = mpjax.scaler_stats(opt_state)
-    return {"mode": mode, "val_loss": float(np.mean(val)), "final_loss": float(losses[-20:].mean()),
-                "skipped_steps": int(stats["skipped_steps"]), "final_scale": float(stats["scale"]),
-                "seconds": seconds, "losses": losses}
+    return {
+        "mode": mode,
+        "val_loss": float(np.mean(val)),
+        "final_loss": float(losses[-20:].mean()),
+        "skipped_steps": int(stats["skipped_steps"]),
+        "final_scale": float(stats["scale"]),
+        "seconds": seconds,
+        "losses": losses,
+    }
 
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=1500, help="training steps per run")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--context", type=int, default=64, help="bytes per training window")
@@ -177,18 +218,24 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
 
     corpus = load_corpus(args.max_bytes, args.val_fraction)
-    print(f"corpus: {len(corpus[0]):,} training bytes, {len(corpus[1]):,} validation bytes "
-          f"from {sysconfig.get_paths()['stdlib']}")
+    print(
+        f"corpus: {len(corpus[0]):,} training bytes, {len(corpus[1]):,} validation bytes "
+        f"from {sysconfig.get_paths()['stdlib']}"
+    )
     results = [train(mode, corpus, args) for mode in args.modes]
 
     reference = next((r["val_loss"] for r in results if r["mode"] == "float32"), None)
-    print(f"\n{'run':<31} {'val loss':>8} {'vs float32':>10} {'final loss':>10} "
-          f"{'skipped':>7} {'final scale':>11} {'seconds':>7}")
+    print(
+        f"\n{'run':<31} {'val loss':>8} {'vs float32':>10} {'final loss':>10} "
+        f"{'skipped':>7} {'final scale':>11} {'seconds':>7}"
+    )
     for r in results:
         r["vs_float32"] = None if reference is None else r["val_loss"] / reference - 1
         diff = "" if r["vs_float32"] is None else f"{r['vs_float32']:+.2%}"
-        print(f"{LABELS[r['mode']]:<31} {r['val_loss']:>8.4f} {diff:>10} {r['final_loss']:>10.4f} "
-              f"{r['skipped_steps']:>7d} {r['final_scale']:>11g} {r['seconds']:>7.1f}")
+        print(
+            f"{LABELS[r['mode']]:<31} {r['val_loss']:>8.4f} {diff:>10} {r['final_loss']:>10.4f} "
+            f"{r['skipped_steps']:>7d} {r['final_scale']:>11g} {r['seconds']:>7.1f}"
+        )
     return results
 
 

@@ -24,8 +24,9 @@ import os
 import sys
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -57,7 +58,8 @@ def train(data, *, mesh, steps: int, batch_size: int, lr: float, seed: int) -> d
     @nnx.jit
     def train_step(model, optimizer, x, y):
         value, grads = mpjax.scaled_value_and_grad(
-            loss, optimizer.opt_state, value_and_grad=nnx.value_and_grad)(model, x, y)
+            loss, optimizer.opt_state, value_and_grad=nnx.value_and_grad
+        )(model, x, y)
         optimizer.update(model, grads)
         return value
 
@@ -86,16 +88,18 @@ def train(data, *, mesh, steps: int, batch_size: int, lr: float, seed: int) -> d
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="training steps per run")
-    parser.add_argument("--batch-size", type=int, default=64,
-                        help="global batch; a multiple of the device count")
+    parser.add_argument(
+        "--batch-size", type=int, default=64, help="global batch; a multiple of the device count"
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     devices = jax.devices()
     if args.batch_size % len(devices):
-        parser.error(f"--batch-size {args.batch_size} must be a multiple of the "
-                     f"{len(devices)} devices")
+        parser.error(
+            f"--batch-size {args.batch_size} must be a multiple of the {len(devices)} devices"
+        )
     mesh = jax.sharding.Mesh(np.array(devices), ("data",))
     data = load_data(args.seed)
     kwargs = dict(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
@@ -110,12 +114,19 @@ def main(argv=None) -> dict:
     travelled = norm(jax.tree.map(lambda a, b: a - b, single["params"], initial))
     print(f"{'run':<28} {'test accuracy':>13} {'final loss':>10} {'skipped':>7} {'scale':>9}")
     for name, r in (("1 device", single), (f"{len(devices)} devices, data parallel", parallel)):
-        print(f"{name:<28} {r['accuracy']:>13.2%} {r['final_loss']:>10.4f} "
-              f"{r['skipped_steps']:>7d} {r['final_scale']:>9.0f}")
-    print(f"parameter difference between the runs: {between / travelled:.2%} of the "
-          f"distance trained")
-    return {"single": single, "parallel": parallel, "relative_param_diff": between / travelled,
-            "devices": len(devices)}
+        print(
+            f"{name:<28} {r['accuracy']:>13.2%} {r['final_loss']:>10.4f} "
+            f"{r['skipped_steps']:>7d} {r['final_scale']:>9.0f}"
+        )
+    print(
+        f"parameter difference between the runs: {between / travelled:.2%} of the distance trained"
+    )
+    return {
+        "single": single,
+        "parallel": parallel,
+        "relative_param_diff": between / travelled,
+        "devices": len(devices),
+    }
 
 
 if __name__ == "__main__":

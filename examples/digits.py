@@ -40,8 +40,11 @@ import mpjax
 
 MODES = ("float32", "float16", "bfloat16")
 LOW_DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16}
-LABELS = {"float32": "float32", "float16": "float16 autocast + grad_scaler",
-          "bfloat16": "bfloat16 autocast"}
+LABELS = {
+    "float32": "float32",
+    "float16": "float16 autocast + grad_scaler",
+    "bfloat16": "bfloat16 autocast",
+}
 
 
 def load_data(seed: int):
@@ -49,7 +52,8 @@ def load_data(seed: int):
     digits = load_digits()
     x = (digits.images[..., None] / 16.0).astype(np.float32)
     x_train, x_test, y_train, y_test = train_test_split(
-        x, digits.target, test_size=0.25, random_state=seed, stratify=digits.target)
+        x, digits.target, test_size=0.25, random_state=seed, stratify=digits.target
+    )
     return x_train, y_train.astype(np.int32), x_test, y_test.astype(np.int32)
 
 
@@ -67,7 +71,7 @@ class CNN(nnx.Module):
     def __call__(self, x):
         x = nnx.relu(self.bn1(self.conv1(x)))
         x = nnx.relu(self.bn2(self.conv2(x)))
-        x = nnx.avg_pool(x, (2, 2), strides=(2, 2))        # 8x8 -> 4x4
+        x = nnx.avg_pool(x, (2, 2), strides=(2, 2))  # 8x8 -> 4x4
         x = self.dropout(x.reshape(x.shape[0], -1))
         return self.head(x)
 
@@ -76,8 +80,17 @@ def loss_fn(model: CNN, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
 
 
-def train(mode: str, data, *, steps: int, batch_size: int, lr: float, seed: int,
-          growth_interval: int, progress: bool = True) -> dict:
+def train(
+    mode: str,
+    data,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    growth_interval: int,
+    progress: bool = True,
+) -> dict:
     """Trains one model; returns its accuracy, loss curve and scaler history."""
     x_train, y_train, x_test, y_test = data
     # Same seed in every run: same initial weights, dropout masks and batches.
@@ -85,7 +98,7 @@ def train(mode: str, data, *, steps: int, batch_size: int, lr: float, seed: int,
 
     loss = loss_fn
     if mode != "float32":
-        loss = mpjax.autocast(loss_fn, dtype=LOW_DTYPES[mode])   # the one line that matters
+        loss = mpjax.autocast(loss_fn, dtype=LOW_DTYPES[mode])  # the one line that matters
     # float16 needs loss scaling; bfloat16 has float32's exponent range and does not.
     # noop_scaler keeps one code path (and a scale of 1.0 to plot) for the others.
     # A short growth interval (torch's default is 2000) lets the plot show the scale
@@ -99,12 +112,13 @@ def train(mode: str, data, *, steps: int, batch_size: int, lr: float, seed: int,
     @nnx.jit
     def train_step(model, optimizer, x, y):
         value, grads = mpjax.scaled_value_and_grad(
-            loss, optimizer.opt_state, value_and_grad=nnx.value_and_grad)(model, x, y)
-        optimizer.update(model, grads)       # unscales; skips the step if not finite
+            loss, optimizer.opt_state, value_and_grad=nnx.value_and_grad
+        )(model, x, y)
+        optimizer.update(model, grads)  # unscales; skips the step if not finite
         stats = mpjax.scaler_stats(optimizer.opt_state)
         return value, stats["scale"], stats["last_step_skipped"]
 
-    model.train()                             # batch statistics, dropout on
+    model.train()  # batch statistics, dropout on
     # nnx.jit re-splits the model on every call; cached_partial does that once.
     step = nnx.cached_partial(train_step, model, optimizer)
 
@@ -121,16 +135,24 @@ def train(mode: str, data, *, steps: int, batch_size: int, lr: float, seed: int,
     seconds = time.perf_counter() - start
 
     # Evaluated as trained: the mixed-precision models run under autocast here too.
-    model.eval()                              # BatchNorm running statistics, no dropout
+    model.eval()  # BatchNorm running statistics, no dropout
     predict = nnx.jit(_predictor(mode))
     logits = np.asarray(predict(model, x_test))
     accuracy = float(np.mean(np.argmax(logits, -1) == y_test))
     test_loss = float(optax.softmax_cross_entropy_with_integer_labels(logits, y_test).mean())
     stats = mpjax.scaler_stats(optimizer.opt_state)
-    return {"mode": mode, "accuracy": accuracy, "test_loss": test_loss,
-                "final_loss": float(losses[-20:].mean()),
-                "skipped_steps": int(stats["skipped_steps"]), "final_scale": float(stats["scale"]),
-                "seconds": seconds, "losses": losses, "scales": scales, "skipped": skipped}
+    return {
+        "mode": mode,
+        "accuracy": accuracy,
+        "test_loss": test_loss,
+        "final_loss": float(losses[-20:].mean()),
+        "skipped_steps": int(stats["skipped_steps"]),
+        "final_scale": float(stats["scale"]),
+        "seconds": seconds,
+        "losses": losses,
+        "scales": scales,
+        "skipped": skipped,
+    }
 
 
 def _predictor(mode: str):
@@ -142,26 +164,38 @@ def _predictor(mode: str):
 
 def plot(results: list[dict], path: str) -> None:
     import matplotlib
-    matplotlib.use("Agg")                    # no display needed
+
+    matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(11, 4))
-    window = max(1, len(results[0]["losses"]) // 50)   # smooth the per-batch noise
+    window = max(1, len(results[0]["losses"]) // 50)  # smooth the per-batch noise
     for r in results:
         curve = np.convolve(r["losses"], np.ones(window) / window, mode="valid")
         ax_loss.plot(np.arange(len(curve)) + window, curve, label=LABELS[r["mode"]])
-    ax_loss.set(xlabel="step", ylabel=f"training loss ({window}-step mean)", yscale="log",
-                title="Training loss")
+    ax_loss.set(
+        xlabel="step",
+        ylabel=f"training loss ({window}-step mean)",
+        yscale="log",
+        title="Training loss",
+    )
     ax_loss.legend()
     for r in results:
         if r["mode"] != "float16":
             continue
         ax_scale.plot(r["scales"], color="C1", label="loss scale")
         where = np.flatnonzero(r["skipped"])
-        ax_scale.scatter(where, r["scales"][where], color="C3", marker="x", zorder=3,
-                         label=f"skipped step, scale halved ({len(where)})")
-    ax_scale.set(xlabel="step", ylabel="scale", yscale="log",
-                 title="float16 loss scale (grad_scaler)")
+        ax_scale.scatter(
+            where,
+            r["scales"][where],
+            color="C3",
+            marker="x",
+            zorder=3,
+            label=f"skipped step, scale halved ({len(where)})",
+        )
+    ax_scale.set(
+        xlabel="step", ylabel="scale", yscale="log", title="float16 loss scale (grad_scaler)"
+    )
     ax_scale.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -170,31 +204,48 @@ def plot(results: list[dict], path: str) -> None:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=600, help="training steps per run")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--growth-interval", type=int, default=50,
-                        help="grad_scaler: finite steps before the scale doubles")
+    parser.add_argument(
+        "--growth-interval",
+        type=int,
+        default=50,
+        help="grad_scaler: finite steps before the scale doubles",
+    )
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--plot", default="digits.png", help="where the PNG goes")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
 
     data = load_data(args.seed)
-    results = [train(mode, data, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                     seed=args.seed, growth_interval=args.growth_interval,
-                     progress=not args.no_progress)
-               for mode in args.modes]
+    results = [
+        train(
+            mode,
+            data,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            seed=args.seed,
+            growth_interval=args.growth_interval,
+            progress=not args.no_progress,
+        )
+        for mode in args.modes
+    ]
 
-    print(f"\n{'run':<31} {'test acc':>8} {'test loss':>9} {'final loss':>10} {'skipped':>7} "
-          f"{'final scale':>11} {'seconds':>7}")
+    print(
+        f"\n{'run':<31} {'test acc':>8} {'test loss':>9} {'final loss':>10} {'skipped':>7} "
+        f"{'final scale':>11} {'seconds':>7}"
+    )
     for r in results:
-        print(f"{LABELS[r['mode']]:<31} {r['accuracy']:>8.2%} {r['test_loss']:>9.4f} "
-              f"{r['final_loss']:>10.4f} "
-              f"{r['skipped_steps']:>7d} {r['final_scale']:>11g} {r['seconds']:>7.1f}")
+        print(
+            f"{LABELS[r['mode']]:<31} {r['accuracy']:>8.2%} {r['test_loss']:>9.4f} "
+            f"{r['final_loss']:>10.4f} "
+            f"{r['skipped_steps']:>7d} {r['final_scale']:>11g} {r['seconds']:>7.1f}"
+        )
     if args.plot:
         os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
         plot(results, args.plot)

@@ -40,22 +40,28 @@ from tqdm.auto import tqdm
 import mpjax
 
 MODES = ("float32", "float16-unscaled", "float16-scaled")
-LABELS = {"float32": "float32", "float16-unscaled": "float16 autocast, no scaling",
-          "float16-scaled": "float16 autocast + grad_scaler"}
+LABELS = {
+    "float32": "float32",
+    "float16-unscaled": "float16 autocast, no scaling",
+    "float16-scaled": "float16 autocast + grad_scaler",
+}
 
 
 def load_data(seed: int):
     digits = load_digits()
     x = (digits.images.reshape(-1, 64) / 16.0).astype(np.float32)
     x_train, x_test, y_train, y_test = train_test_split(
-        x, digits.target, test_size=0.25, random_state=seed, stratify=digits.target)
+        x, digits.target, test_size=0.25, random_state=seed, stratify=digits.target
+    )
     return x_train, y_train.astype(np.int32), x_test, y_test.astype(np.int32)
 
 
 def init_params(key, sizes=(64, 256, 256, 256, 10)):
     keys = jax.random.split(key, len(sizes) - 1)
-    return [{"w": jax.random.normal(k, (a, b)) * (2.0 / a) ** 0.5, "b": jnp.zeros(b)}
-            for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
+    return [
+        {"w": jax.random.normal(k, (a, b)) * (2.0 / a) ** 0.5, "b": jnp.zeros(b)}
+        for k, a, b in zip(keys, sizes[:-1], sizes[1:])
+    ]
 
 
 def predict(params, x):
@@ -68,8 +74,17 @@ def cross_entropy(params, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(predict(params, x), y).mean()
 
 
-def train(mode: str, data, *, steps: int, batch_size: int, lr: float, loss_weight: float,
-          seed: int, progress: bool = True) -> dict:
+def train(
+    mode: str,
+    data,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    loss_weight: float,
+    seed: int,
+    progress: bool = True,
+) -> dict:
     x_train, y_train, x_test, y_test = data
     params = init_params(jax.random.key(seed))
 
@@ -110,37 +125,65 @@ def train(mode: str, data, *, steps: int, batch_size: int, lr: float, loss_weigh
 
     logits = jax.jit(predict)(params, x_test)
     stats = mpjax.scaler_stats(opt_state)
-    return {"mode": mode, "accuracy": float(np.mean(np.argmax(logits, -1) == y_test)),
-                "final_loss": float(losses[-20:].mean()), "skipped_steps": int(stats["skipped_steps"]),
-                "zero_grad_fraction": float(zero_fractions.mean()),
-                "final_scale": float(stats["scale"]), "seconds": seconds, "losses": losses}
+    return {
+        "mode": mode,
+        "accuracy": float(np.mean(np.argmax(logits, -1) == y_test)),
+        "final_loss": float(losses[-20:].mean()),
+        "skipped_steps": int(stats["skipped_steps"]),
+        "zero_grad_fraction": float(zero_fractions.mean()),
+        "final_scale": float(stats["scale"]),
+        "seconds": seconds,
+        "losses": losses,
+    }
 
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=500, help="training steps per run")
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.05,
-                        help="SGD learning rate of the unweighted loss (divided by the weight)")
-    parser.add_argument("--loss-weight", type=float, default=2.0**-20,
-                        help="factor the cross-entropy is multiplied by")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=0.05,
+        help="SGD learning rate of the unweighted loss (divided by the weight)",
+    )
+    parser.add_argument(
+        "--loss-weight",
+        type=float,
+        default=2.0**-20,
+        help="factor the cross-entropy is multiplied by",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
 
     data = load_data(args.seed)
-    results = [train(mode, data, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                     loss_weight=args.loss_weight, seed=args.seed, progress=not args.no_progress)
-               for mode in MODES]
+    results = [
+        train(
+            mode,
+            data,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            loss_weight=args.loss_weight,
+            seed=args.seed,
+            progress=not args.no_progress,
+        )
+        for mode in MODES
+    ]
 
     print(f"\nloss weight {args.loss_weight:g}, {args.steps} steps")
-    print(f"{'run':<31} {'test acc':>8} {'final loss':>10} {'skipped':>7} "
-          f"{'zero grads':>10} {'final scale':>11}")
+    print(
+        f"{'run':<31} {'test acc':>8} {'final loss':>10} {'skipped':>7} "
+        f"{'zero grads':>10} {'final scale':>11}"
+    )
     for r in results:
-        print(f"{LABELS[r['mode']]:<31} {r['accuracy']:>8.2%} {r['final_loss']:>10.4f} "
-              f"{r['skipped_steps']:>7d} {r['zero_grad_fraction']:>10.1%} {r['final_scale']:>11g}")
+        print(
+            f"{LABELS[r['mode']]:<31} {r['accuracy']:>8.2%} {r['final_loss']:>10.4f} "
+            f"{r['skipped_steps']:>7d} {r['zero_grad_fraction']:>10.1%} {r['final_scale']:>11g}"
+        )
     return results
 
 

@@ -87,8 +87,9 @@ def retype_scalar_jaxpr(params, dtype):
         return {}
     consts = params.get("update_consts", ())
     scalar = jax.ShapeDtypeStruct((), dtype)
-    closed = jax.make_jaxpr(
-        lambda a, b: jax.core.eval_jaxpr(update_jaxpr, consts, a, b))(scalar, scalar)
+    closed = jax.make_jaxpr(lambda a, b: jax.core.eval_jaxpr(update_jaxpr, consts, a, b))(
+        scalar, scalar
+    )
     new_jaxpr, new_consts = jaxpr_and_consts(closed)
     return dict(update_jaxpr=new_jaxpr, update_consts=new_consts)
 

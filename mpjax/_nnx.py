@@ -15,7 +15,8 @@ from flax import nnx
 
 def _is_nnx(x) -> bool:
     return isinstance(x, (nnx.Module, nnx.Variable, nnx.Rngs)) or (
-        nnx.graph.is_graph_node(x) and not isinstance(x, (tuple, list, dict)))
+        nnx.graph.is_graph_node(x) and not isinstance(x, (tuple, list, dict))
+    )
 
 
 def has_nnx_objects(tree) -> bool:

@@ -7,7 +7,6 @@ import dataclasses
 import math
 from typing import Callable, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -78,8 +77,9 @@ class AuditReport:
 
     def summary(self) -> dict[tuple[str, tuple[str, ...], tuple[str, ...]], int]:
         """Counts of (primitive, input dtypes, output dtypes)."""
-        return dict(collections.Counter(
-            (e.primitive, e.in_dtypes, e.out_dtypes) for e in self.equations))
+        return dict(
+            collections.Counter((e.primitive, e.in_dtypes, e.out_dtypes) for e in self.equations)
+        )
 
     def __str__(self) -> str:
         rows = sorted(self.summary().items(), key=lambda kv: (kv[0][0], -kv[1]))
@@ -87,10 +87,14 @@ class AuditReport:
         lines = [f"{'primitive':<{width}}  {'count':>5}  inputs -> outputs"]
         for (prim, ins, outs), n in rows:
             lines.append(f"{prim:<{width}}  {n:>5}  {', '.join(ins) or '-'} -> {', '.join(outs)}")
-        inserted = "" if self.casts_inserted is None else f" ({self.casts_inserted} inserted by autocast)"
+        inserted = (
+            "" if self.casts_inserted is None else f" ({self.casts_inserted} inserted by autocast)"
+        )
         lines.append(f"float casts: {self.float_casts}{inserted}")
-        lines.append(f"dot/conv FLOPs in 16-bit precision: {self.low_precision_fraction:.1%} "
-                     f"of {self.matmul_flops:,}")
+        lines.append(
+            f"dot/conv FLOPs in 16-bit precision: {self.low_precision_fraction:.1%} "
+            f"of {self.matmul_flops:,}"
+        )
         return "\n".join(lines)
 
 
@@ -112,8 +116,10 @@ def audit(fun: Callable, *args, **kwargs) -> AuditReport:
       >>> print(report)  # doctest: +SKIP
     """
     if not callable(fun):
-        raise TypeError(f"audit(fun, ...): fun must be callable, got {type(fun).__name__}. "
-                        "Pass the function and its arguments: audit(autocast(f), *args).")
+        raise TypeError(
+            f"audit(fun, ...): fun must be callable, got {type(fun).__name__}. "
+            "Pass the function and its arguments: audit(autocast(f), *args)."
+        )
     equations, casts, flops, low_flops = _walk(_trace(fun, args, kwargs))
     inserted = None
     wrapper, original = getattr(fun, "__mpjax_autocast__", (None, None))
@@ -136,13 +142,23 @@ def _walk(jaxpr, path: str = "", repeat: int = 1):
     equations, casts, flops, low_flops = [], 0, 0, 0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        equations.append(Equation(name, _dtype_names(eqn.invars), _dtype_names(eqn.outvars),
-                                  path, _compat.user_frame(eqn)))
+        equations.append(
+            Equation(
+                name,
+                _dtype_names(eqn.invars),
+                _dtype_names(eqn.outvars),
+                path,
+                _compat.user_frame(eqn),
+            )
+        )
         if name == "convert_element_type":
             src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
             # jnp.issubdtype: numpy does not count bfloat16 as floating.
-            casts += src != dst and jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(
-                dst, jnp.floating)
+            casts += (
+                src != dst
+                and jnp.issubdtype(src, jnp.floating)
+                and jnp.issubdtype(dst, jnp.floating)
+            )
         elif name in _MATMULS:
             n = _matmul_flops(eqn) * repeat
             flops += n

@@ -154,8 +154,10 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
                 outs = rule(eqn_ctx, eqn, list(vals), list(weaks))
         except Exception as e:
             if not getattr(e, "_mpjax_noted", False):
-                e.add_note(f"(mpjax.autocast, while evaluating `{eqn.primitive.name}` "
-                           f"from {_compat.user_frame(eqn)})")
+                e.add_note(
+                    f"(mpjax.autocast, while evaluating `{eqn.primitive.name}` "
+                    f"from {_compat.user_frame(eqn)})"
+                )
                 e._mpjax_noted = True
             raise
         out_weak = all(weaks)
@@ -196,24 +198,28 @@ def _targets(rule: Rule, eqn, vals, weak, low, lean=False) -> list:
     if rule is Rule.FLOAT32:
         return [_F32 if c else None for c in castable]
     if rule is Rule.WIDEST:
-        strong = [(d, np.size(x)) for x, d, c, w in zip(vals, dtypes, castable, weak) if c and not w]
+        strong = [
+            (d, np.size(x)) for x, d, c, w in zip(vals, dtypes, castable, weak) if c and not w
+        ]
         if lean and strong:
             # The largest operand (the activation) sets the precision: a float32
             # bias, scale or per-row statistic does not widen a [B, T, D] tensor.
             largest = max(n for _, n in strong)
             strong = [(d, n) for d, n in strong if n == largest]
         strong = [d for d, _ in strong]
-        target = policy.widest(strong) or policy.widest(
-            d for d, c in zip(dtypes, castable) if c)
+        target = policy.widest(strong) or policy.widest(d for d, c in zip(dtypes, castable) if c)
         if target in policy.LOW_DTYPES and any(
-                w and not _fits(x, target) for x, w in zip(vals, weak)):
+            w and not _fits(x, target) for x, w in zip(vals, weak)
+        ):
             # A literal the low dtype cannot hold (``h / 1e5`` in float16): the
             # operation runs in float32 rather than divide by inf or 65504.
             target = _F32
         return [target if c else None for c in castable]
     if rule is Rule.ORIGINAL:
-        return [v.aval.dtype if c and policy.is_castable(v.aval.dtype) else None
-                for v, c in zip(eqn.invars, castable)]
+        return [
+            v.aval.dtype if c and policy.is_castable(v.aval.dtype) else None
+            for v, c in zip(eqn.invars, castable)
+        ]
     return [None] * len(vals)
 
 
@@ -224,8 +230,11 @@ def _fits(x, dtype) -> bool:
     info = jnp.finfo(dtype)
     magnitude = np.abs(np.asarray(x, np.float64))
     finite = magnitude[np.isfinite(magnitude)]
-    return bool(np.all((finite == 0) | ((finite >= float(info.smallest_normal))
-                                        & (finite <= float(info.max)))))
+    return bool(
+        np.all(
+            (finite == 0) | ((finite >= float(info.smallest_normal)) & (finite <= float(info.max)))
+        )
+    )
 
 
 def _first_order(ctx: Context, eqn, vals, weak):
@@ -237,8 +246,7 @@ def _first_order(ctx: Context, eqn, vals, weak):
     if lean and rule is Rule.FLOAT32 and any(dtype_of(x) in policy.LOW_DTYPES for x in vals):
         return _float32_inside(ctx, eqn, vals, low)
     targets = _targets(rule, eqn, vals, weak, low, lean)
-    args = [x if t is None else ctx.scope.cast(x, t, w)
-            for x, t, w in zip(vals, targets, weak)]
+    args = [x if t is None else ctx.scope.cast(x, t, w) for x, t, w in zip(vals, targets, weak)]
     updates = {}
     if rule is Rule.LOW:
         preferred = eqn.params.get("preferred_element_type")
@@ -274,7 +282,7 @@ def _float32_inside(ctx: Context, eqn, vals, low):
 
 def _convert_rule(ctx: Context, eqn, vals, weak):
     """User casts are respected; dtype-preserving converts are weak-type strips."""
-    (x,), (w,) = vals, weak
+    (x,) = vals
     original_in = eqn.invars[0].aval.dtype
     new_dtype = np.dtype(eqn.params["new_dtype"])
     if ctx.region.dtype is None:
@@ -303,17 +311,20 @@ def _inline_call(ctx: Context, eqn, vals, weak):
 
 def _remat(ctx: Context, eqn, vals, weak):
     """jax.checkpoint: rebuilt around the autocast body, its policy kept."""
+
     def body(*args):
         outs, _ = _eval_closed(ctx.child(), eqn.params["jaxpr"], list(args), weak)
         return outs
 
-    checkpointed = jax.checkpoint(body, prevent_cse=eqn.params["prevent_cse"],
-                                  policy=eqn.params["policy"])
+    checkpointed = jax.checkpoint(
+        body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"]
+    )
     return list(checkpointed(*vals))
 
 
 def _shard_map(ctx: Context, eqn, vals, weak):
     """shard_map: rebuilt around the autocast body, mesh and specs kept."""
+
     def body(*args):
         outs, _ = _eval_closed(ctx.child(), eqn.params["jaxpr"], list(args), weak)
         return tuple(outs)
@@ -339,13 +350,19 @@ def _custom_jvp(ctx: Context, eqn, vals, weak):
         out_avals = jax.eval_shape(primal, *primals)
         n_args = len(primals) - n_consts
         child = ctx.child()
-        outs, _ = eval_jaxpr(child, rule, rule_consts,
-                             [*primals[n_consts:], *tangents[n_consts:]],
-                             [*weak[n_consts:], *[False] * n_args])
+        outs, _ = eval_jaxpr(
+            child,
+            rule,
+            rule_consts,
+            [*primals[n_consts:], *tangents[n_consts:]],
+            [*weak[n_consts:], *[False] * n_args],
+        )
         n = len(out_avals)
         nonzero = iter(outs[n:])
-        tangent_outs = [jnp.zeros(a.shape, a.dtype) if z else next(nonzero)
-                        for a, z in zip(out_avals, out_zeros)]
+        tangent_outs = [
+            jnp.zeros(a.shape, a.dtype) if z else next(nonzero)
+            for a, z in zip(out_avals, out_zeros)
+        ]
         primal_outs = [child.scope.cast(o, a.dtype) for o, a in zip(outs[:n], out_avals)]
         tangent_outs = [child.scope.cast(t, a.dtype) for t, a in zip(tangent_outs, out_avals)]
         return primal_outs, tangent_outs
@@ -368,6 +385,7 @@ def _cond(ctx: Context, eqn, vals, weak):
             if out_dtypes is None:
                 return outs
             return [child.scope.cast(o, d) for o, d in zip(outs, out_dtypes)]
+
         return fn
 
     per_branch = [jax.eval_shape(branch_fn(b), *ops) for b in branches]
@@ -421,14 +439,23 @@ def _scan(ctx: Context, eqn, vals, weak):
     """
     params = eqn.params
     n_consts, n_carry = _compat.scan_counts(params)
-    consts, init, xs = vals[:n_consts], vals[n_consts:n_consts + n_carry], vals[n_consts + n_carry:]
-    consts_weak, init_weak, xs_weak = (weak[:n_consts], weak[n_consts:n_consts + n_carry],
-                                       weak[n_consts + n_carry:])
+    consts, init, xs = (
+        vals[:n_consts],
+        vals[n_consts : n_consts + n_carry],
+        vals[n_consts + n_carry :],
+    )
+    consts_weak, init_weak, xs_weak = (
+        weak[:n_consts],
+        weak[n_consts : n_consts + n_carry],
+        weak[n_consts + n_carry :],
+    )
     jaxpr, jaxpr_consts = _compat.jaxpr_and_consts(params["jaxpr"])
     body_weak = [*consts_weak, *[False] * n_carry, *xs_weak]
 
     def run_body(scope_ctx, carry, x_slices):
-        outs, _ = eval_jaxpr(scope_ctx, jaxpr, jaxpr_consts, [*consts, *carry, *x_slices], body_weak)
+        outs, _ = eval_jaxpr(
+            scope_ctx, jaxpr, jaxpr_consts, [*consts, *carry, *x_slices], body_weak
+        )
         return outs[:n_carry], outs[n_carry:]
 
     xs_avals = [jax.ShapeDtypeStruct(np.shape(x)[1:], dtype_of(x)) for x in xs]
@@ -462,7 +489,7 @@ def _scan(ctx: Context, eqn, vals, weak):
     _hoist(ctx, probe_scope)
 
     def body(carry, x_all):
-        x_slices, extra = x_all[:len(xs)], x_all[len(xs):]
+        x_slices, extra = x_all[: len(xs)], x_all[len(xs) :]
         child = ctx.child()
         for (i, dtype, _), cast_slice in zip(hoisted_xs, extra):
             child.scope.seed(x_slices[i], dtype, cast_slice)
@@ -470,9 +497,14 @@ def _scan(ctx: Context, eqn, vals, weak):
         return [child.scope.cast(c, d) for c, d in zip(new_carry, carry_dtypes)], ys
 
     init = [ctx.scope.cast(c, d, w) for c, d, w in zip(init, carry_dtypes, init_weak)]
-    carry, ys = lax.scan(body, init, [*xs, *(h[2] for h in hoisted_xs)],
-                         length=params["length"], reverse=params["reverse"],
-                         unroll=params["unroll"])
+    carry, ys = lax.scan(
+        body,
+        init,
+        [*xs, *(h[2] for h in hoisted_xs)],
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params["unroll"],
+    )
     return [*carry, *ys]
 
 
@@ -480,13 +512,17 @@ def _while(ctx: Context, eqn, vals, weak):
     """while_loop: rebuilt with carries at fixed dtypes, loop-invariant casts hoisted."""
     params = eqn.params
     nc, nb = params["cond_nconsts"], params["body_nconsts"]
-    cond_consts, body_consts, init = vals[:nc], vals[nc:nc + nb], vals[nc + nb:]
-    cond_weak, body_weak, init_weak = weak[:nc], weak[nc:nc + nb], weak[nc + nb:]
+    cond_consts, body_consts, init = vals[:nc], vals[nc : nc + nb], vals[nc + nb :]
+    cond_weak, body_weak, init_weak = weak[:nc], weak[nc : nc + nb], weak[nc + nb :]
     n_carry = len(init)
 
     def run_body(scope_ctx, carry):
-        outs, _ = _eval_closed(scope_ctx, params["body_jaxpr"], [*body_consts, *carry],
-                               [*body_weak, *[False] * n_carry])
+        outs, _ = _eval_closed(
+            scope_ctx,
+            params["body_jaxpr"],
+            [*body_consts, *carry],
+            [*body_weak, *[False] * n_carry],
+        )
         return outs
 
     def probe(carry_dtypes):
@@ -499,8 +535,12 @@ def _while(ctx: Context, eqn, vals, weak):
     _hoist(ctx, probe_scope)
 
     def cond_fn(carry):
-        outs, _ = _eval_closed(ctx.child(), params["cond_jaxpr"], [*cond_consts, *carry],
-                               [*cond_weak, *[False] * n_carry])
+        outs, _ = _eval_closed(
+            ctx.child(),
+            params["cond_jaxpr"],
+            [*cond_consts, *carry],
+            [*cond_weak, *[False] * n_carry],
+        )
         return outs[0]
 
     def body_fn(carry):
@@ -544,7 +584,8 @@ def _check_dtype(dtype) -> np.dtype:
         raise ValueError(
             f"autocast(dtype={dtype!r}): dtype must be jnp.float16 or jnp.bfloat16, "
             "the precision that matrix products run in. To run a region in float32, "
-            "use autocast(fun, enabled=False).")
+            "use autocast(fun, enabled=False)."
+        )
     return resolved
 
 
@@ -552,8 +593,9 @@ def _is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def autocast(fun: Callable | None = None, *, dtype=jnp.float16, enabled: bool = True,
-             policy: str = "torch"):
+def autocast(
+    fun: Callable | None = None, *, dtype=jnp.float16, enabled: bool = True, policy: str = "torch"
+):
     """Runs `fun` in mixed precision, like ``torch.autocast``.
 
     Matrix products and convolutions run in `dtype`; transcendental functions and
@@ -611,12 +653,14 @@ def autocast(fun: Callable | None = None, *, dtype=jnp.float16, enabled: bool = 
         raise TypeError(
             f"autocast(fun): got the dtype {np.dtype(fun).name} as the function; pass the "
             f"dtype by keyword: autocast(dtype=jnp.{np.dtype(fun).name}) or "
-            f"autocast(fun, dtype=jnp.{np.dtype(fun).name}).")
+            f"autocast(fun, dtype=jnp.{np.dtype(fun).name})."
+        )
     if not callable(fun):
         raise TypeError(
             f"autocast(fun): fun must be callable, got {type(fun).__name__}. Wrap the "
             "function that computes your loss: autocast(loss_fn)(params, batch), or use "
-            "@autocast / @autocast(dtype=jnp.bfloat16) as a decorator.")
+            "@autocast / @autocast(dtype=jnp.bfloat16) as a decorator."
+        )
     region = Region(low if enabled else None, enabled and policy == "lean")
 
     @functools.wraps(fun)
@@ -627,7 +671,10 @@ def autocast(fun: Callable | None = None, *, dtype=jnp.float16, enabled: bool = 
             if _nnx.has_nnx_objects((args, kwargs)):
                 return _nnx.call_with_state(
                     lambda pure, state_args: _autocast_call(pure, region, state_args, {}),
-                    fun, args, kwargs)
+                    fun,
+                    args,
+                    kwargs,
+                )
             return _autocast_call(fun, region, args, kwargs)
 
     # Lets `audit` count the casts autocast adds. Stored with `wrapped` itself, since
@@ -640,7 +687,8 @@ _STATIC_HINT = (
     "mpjax.autocast traces `fun` with its array arguments abstract, so Python "
     "control flow (if, while, bool(), int()) must not depend on array values. Pass "
     "such flags as Python bools or ints (autocast hands non-array arguments to `fun` "
-    "unchanged), close over them, or use lax.cond / jnp.where.")
+    "unchanged), close over them, or use lax.cond / jnp.where."
+)
 
 
 def trace_arrays(fun, args, kwargs):
@@ -664,8 +712,14 @@ def trace_arrays(fun, args, kwargs):
         closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dynamic_leaves)
     except Exception as e:
         # Python control flow or shapes depending on an array: say how to fix it.
-        if isinstance(e, (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
-                          jax.errors.TracerIntegerConversionError)) or "Traced<" in str(e):
+        if isinstance(
+            e,
+            (
+                jax.errors.ConcretizationTypeError,
+                jax.errors.TracerBoolConversionError,
+                jax.errors.TracerIntegerConversionError,
+            ),
+        ) or "Traced<" in str(e):
             e.add_note(_STATIC_HINT)
         raise
     return closed, out_shape, dynamic_leaves

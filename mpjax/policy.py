@@ -118,8 +118,9 @@ POLICY: dict[str, Rule] = {**LOW_PRECISION, **FLOAT32, **WIDEST, **AS_RECEIVED}
 # low-precision table, so the activations it starts are low precision.
 LEAN_OVERRIDES: dict[str, Rule] = {"gather": Rule.LOW}
 
-assert len(POLICY) == (len(LOW_PRECISION) + len(FLOAT32) + len(WIDEST)
-                       + len(AS_RECEIVED)), "a primitive is in two tables"
+assert len(POLICY) == (len(LOW_PRECISION) + len(FLOAT32) + len(WIDEST) + len(AS_RECEIVED)), (
+    "a primitive is in two tables"
+)
 
 # The floating dtypes autocast moves between. float64 and everything else (ints,
 # bools, PRNG keys, fp8) is never touched.

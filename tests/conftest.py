@@ -3,10 +3,10 @@
 import os
 
 # Eight simulated CPU devices for the data-parallel tests; set before jax starts.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -28,8 +28,11 @@ def all_eqns(jaxpr):
 
 
 def float_dtypes(atoms):
-    return [np.dtype(a.aval.dtype) for a in atoms
-            if hasattr(a.aval, "dtype") and policy.is_castable(a.aval.dtype)]
+    return [
+        np.dtype(a.aval.dtype)
+        for a in atoms
+        if hasattr(a.aval, "dtype") and policy.is_castable(a.aval.dtype)
+    ]
 
 
 def assert_obeys_policy(jaxpr, low):

@@ -12,7 +12,9 @@ def _normal(key, shape, scale=None):
 
 def mlp_init(key, sizes=(12, 32, 32, 5)):
     keys = jax.random.split(key, len(sizes) - 1)
-    return [dict(w=_normal(k, (a, b)), b=jnp.zeros(b)) for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
+    return [
+        dict(w=_normal(k, (a, b)), b=jnp.zeros(b)) for k, a, b in zip(keys, sizes[:-1], sizes[1:])
+    ]
 
 
 def mlp_loss(params, x, y):
@@ -25,8 +27,12 @@ def mlp_loss(params, x, y):
 
 def cnn_init(key):
     k1, k2, k3 = jax.random.split(key, 3)
-    return dict(c1=_normal(k1, (3, 3, 1, 8), 0.3), c2=_normal(k2, (3, 3, 8, 8), 0.1),
-                scale=jnp.ones(8), w=_normal(k3, (8, 4)))
+    return dict(
+        c1=_normal(k1, (3, 3, 1, 8), 0.3),
+        c2=_normal(k2, (3, 3, 8, 8), 0.1),
+        scale=jnp.ones(8),
+        w=_normal(k3, (8, 4)),
+    )
 
 
 def cnn_loss(params, x, y):
@@ -34,18 +40,26 @@ def cnn_loss(params, x, y):
     h = lax.conv_general_dilated(x, params["c1"], (1, 1), "SAME", dimension_numbers=dn)
     h = jax.nn.gelu(h)
     h = lax.conv_general_dilated(h, params["c2"], (2, 2), "SAME", dimension_numbers=dn)
-    h = jax.nn.standardize(h, axis=(1, 2)) * params["scale"]   # an instance norm
+    h = jax.nn.standardize(h, axis=(1, 2)) * params["scale"]  # an instance norm
     h = lax.reduce_window(h, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
     logits = jnp.mean(h, axis=(1, 2)) @ params["w"]
-    return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, y[:, None], -1)[:, 0])
+    return jnp.mean(
+        jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, y[:, None], -1)[:, 0]
+    )
 
 
 def block_init(key, d=16, vocab=11):
     ks = jax.random.split(key, 6)
-    return dict(embed=_normal(ks[0], (vocab, d), 1.0), qkv=_normal(ks[1], (d, 3 * d)),
-                proj=_normal(ks[2], (d, d)), up=_normal(ks[3], (d, 4 * d)),
-                down=_normal(ks[4], (4 * d, d)), ln1=jnp.ones(d), ln2=jnp.ones(d),
-                unembed=_normal(ks[5], (d, vocab)))
+    return dict(
+        embed=_normal(ks[0], (vocab, d), 1.0),
+        qkv=_normal(ks[1], (d, 3 * d)),
+        proj=_normal(ks[2], (d, d)),
+        up=_normal(ks[3], (d, 4 * d)),
+        down=_normal(ks[4], (4 * d, d)),
+        ln1=jnp.ones(d),
+        ln2=jnp.ones(d),
+        unembed=_normal(ks[5], (d, vocab)),
+    )
 
 
 def _layer_norm(x, scale, eps=1e-5):
@@ -56,13 +70,13 @@ def _layer_norm(x, scale, eps=1e-5):
 
 def block_apply(params, tokens, heads=2):
     """One pre-norm transformer block with causal masked attention; returns logits."""
-    x = params["embed"][tokens]                                     # [B, T, D]
+    x = params["embed"][tokens]  # [B, T, D]
     b, t, d = x.shape
     q, k, v = jnp.split(_layer_norm(x, params["ln1"]) @ params["qkv"], 3, -1)
     q, k, v = (a.reshape(b, t, heads, d // heads) for a in (q, k, v))
     scores = jnp.einsum("bthd,bshd->bhts", q, k) / jnp.sqrt(d // heads)
     mask = jnp.tril(jnp.ones((t, t), bool))
-    scores = jnp.where(mask, scores, -1e9)                          # a float32 literal mask
+    scores = jnp.where(mask, scores, -1e9)  # a float32 literal mask
     attn = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, -1), v).reshape(b, t, d)
     x = x + attn @ params["proj"]
     x = x + jax.nn.gelu(_layer_norm(x, params["ln2"]) @ params["up"]) @ params["down"]
@@ -77,8 +91,11 @@ def block_loss(params, tokens):
 
 def rnn_init(key, n_in=6, n_hidden=16):
     k1, k2, k3 = jax.random.split(key, 3)
-    return dict(wx=_normal(k1, (n_in, n_hidden)), wh=_normal(k2, (n_hidden, n_hidden)),
-                out=_normal(k3, (n_hidden, 1)))
+    return dict(
+        wx=_normal(k1, (n_in, n_hidden)),
+        wh=_normal(k2, (n_hidden, n_hidden)),
+        out=_normal(k3, (n_hidden, 1)),
+    )
 
 
 def rnn_loss(params, xs, y):
@@ -94,12 +111,23 @@ def model_cases(key=jax.random.key(0)):
     """(name, loss, params, inputs) for every model, with small data."""
     k = jax.random.split(key, 8)
     return [
-        ("mlp", mlp_loss, mlp_init(k[0]),
-         (jax.random.normal(k[1], (8, 12)), jax.random.randint(k[2], (8,), 0, 5))),
-        ("cnn", cnn_loss, cnn_init(k[3]),
-         (jax.random.normal(k[4], (2, 8, 8, 1)), jnp.array([1, 3]))),
-        ("transformer", block_loss, block_init(k[5]),
-         (jax.random.randint(k[6], (2, 9), 0, 11),)),
-        ("rnn", rnn_loss, rnn_init(k[7]),
-         (jax.random.normal(k[1], (7, 4, 6)), jax.random.normal(k[2], (4, 1)))),
+        (
+            "mlp",
+            mlp_loss,
+            mlp_init(k[0]),
+            (jax.random.normal(k[1], (8, 12)), jax.random.randint(k[2], (8,), 0, 5)),
+        ),
+        (
+            "cnn",
+            cnn_loss,
+            cnn_init(k[3]),
+            (jax.random.normal(k[4], (2, 8, 8, 1)), jnp.array([1, 3])),
+        ),
+        ("transformer", block_loss, block_init(k[5]), (jax.random.randint(k[6], (2, 9), 0, 11),)),
+        (
+            "rnn",
+            rnn_loss,
+            rnn_init(k[7]),
+            (jax.random.normal(k[1], (7, 4, 6)), jax.random.normal(k[2], (4, 1))),
+        ),
     ]

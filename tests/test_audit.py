@@ -20,7 +20,7 @@ def test_report_lists_dtypes_casts_and_flops():
     assert report.find("exp")[0].in_dtypes == ("float32",)
     assert report.matmul_flops == 2 * 2 * 4 * 3
     assert report.low_precision_fraction == 1.0
-    assert report.float_casts == report.casts_inserted == 3   # w, x down; the product up
+    assert report.float_casts == report.casts_inserted == 3  # w, x down; the product up
     text = str(report)
     assert "dot_general" in text and "float16, float16 -> float16" in text
     assert "100.0%" in text
@@ -46,7 +46,9 @@ def test_scan_flops_count_every_iteration_and_paths_nest():
 
 def test_conv_flops():
     def f(x, k):
-        return lax.conv_general_dilated(x, k, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return lax.conv_general_dilated(
+            x, k, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
 
     report = mpjax.audit(f, jnp.ones((1, 5, 5, 3)), jnp.ones((3, 3, 3, 8)))
     assert report.matmul_flops == 2 * (3 * 3 * 8) * (3 * 3 * 3)
@@ -65,6 +67,7 @@ def test_audit_rejects_non_callables():
 
 
 def test_bfloat16_casts_are_counted():
-    report = mpjax.audit(mpjax.autocast(lambda w: jnp.sum(w @ w), dtype=jnp.bfloat16),
-                         jnp.ones((3, 3)))
-    assert report.float_casts == report.casts_inserted == 2   # w down, the product up
+    report = mpjax.audit(
+        mpjax.autocast(lambda w: jnp.sum(w @ w), dtype=jnp.bfloat16), jnp.ones((3, 3))
+    )
+    assert report.float_casts == report.casts_inserted == 2  # w down, the product up

@@ -18,8 +18,11 @@ def _w(*shape, seed=0):
 
 
 def _dots(fun, *args, **kwargs):
-    return [e for e in all_eqns(jax.make_jaxpr(fun)(*args, **kwargs))
-            if e.primitive.name == "dot_general"]
+    return [
+        e
+        for e in all_eqns(jax.make_jaxpr(fun)(*args, **kwargs))
+        if e.primitive.name == "dot_general"
+    ]
 
 
 def _out_dtypes(eqns):
@@ -33,12 +36,16 @@ def _mm(a, b):
     return a @ b
 
 
-@pytest.mark.parametrize("make", [
-    lambda: mpjax.autocast(_mm),
-    lambda: mpjax.autocast(_mm, dtype=jnp.bfloat16),
-    lambda: mpjax.autocast()(_mm),
-    lambda: mpjax.autocast(dtype="bfloat16")(_mm),
-], ids=["plain", "dtype", "decorator", "decorator-dtype"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: mpjax.autocast(_mm),
+        lambda: mpjax.autocast(_mm, dtype=jnp.bfloat16),
+        lambda: mpjax.autocast()(_mm),
+        lambda: mpjax.autocast(dtype="bfloat16")(_mm),
+    ],
+    ids=["plain", "dtype", "decorator", "decorator-dtype"],
+)
 def test_call_forms(make):
     f = make()
     assert f.__name__ == "_mm"
@@ -96,8 +103,11 @@ def test_strong_float32_input_widens():
     def f(w, x, bias):
         return x @ w + bias
 
-    (add,) = [e for e in all_eqns(jax.make_jaxpr(mpjax.autocast(f))(_w(3, 3), _w(2, 3), _w(3)))
-              if e.primitive.name == "add"]
+    (add,) = [
+        e
+        for e in all_eqns(jax.make_jaxpr(mpjax.autocast(f))(_w(3, 3), _w(2, 3), _w(3)))
+        if e.primitive.name == "add"
+    ]
     assert [v.aval.dtype for v in add.invars] == [F32, F32]
 
 
@@ -111,7 +121,7 @@ def test_float16_and_bfloat16_inputs_meet_at_float32():
 
 def test_explicit_user_casts_are_respected():
     def f(w, x16):
-        up = jnp.tanh(x16.astype(jnp.float32))          # float16 data, upcast by the user
+        up = jnp.tanh(x16.astype(jnp.float32))  # float16 data, upcast by the user
         down = jnp.sin(jnp.exp(x16 @ w).astype(jnp.float16))  # float32 exp, downcast by the user
         return up, down
 
@@ -150,7 +160,7 @@ def test_float64_is_never_touched():
 
 def test_disabled_region_runs_as_written():
     def g(h, w):
-        return h @ w   # traced with float32 inputs
+        return h @ w  # traced with float32 inputs
 
     def f(w, x):
         h = x @ w
@@ -169,8 +179,9 @@ def test_inner_region_with_another_dtype_overrides():
     dots = _dots(mpjax.autocast(f), _w(3, 3), _w(2, 3))
     assert _out_dtypes(dots) == [F16, BF16, F16]
     # ... and leaving it restores the outer region.
-    np.testing.assert_allclose(jax.jit(mpjax.autocast(f))(_w(3, 3), _w(2, 3)),
-                               f(_w(3, 3), _w(2, 3)), rtol=5e-2, atol=1e-2)
+    np.testing.assert_allclose(
+        jax.jit(mpjax.autocast(f))(_w(3, 3), _w(2, 3)), f(_w(3, 3), _w(2, 3)), rtol=5e-2, atol=1e-2
+    )
 
 
 def test_disabled_region_inside_nested_jit():
@@ -208,8 +219,9 @@ TRANSFORMS = {
     "grad(vmap)": lambda ac, f: jax.grad(lambda w, x: jax.vmap(ac(f), (None, 0))(w, x).sum()),
     "jvp": lambda ac, f: lambda w, x: jax.jvp(ac(f), (w, x), (jnp.ones_like(w), x))[1],
     "autocast(jvp)": lambda ac, f: ac(lambda w, x: jax.jvp(f, (w, x), (jnp.ones_like(w), x))[1]),
-    "hessian-vector": lambda ac, f: lambda w, x: jax.jvp(jax.grad(ac(f)), (w, x),
-                                                          (jnp.ones_like(w), x))[1],
+    "hessian-vector": lambda ac, f: (
+        lambda w, x: jax.jvp(jax.grad(ac(f)), (w, x), (jnp.ones_like(w), x))[1]
+    ),
 }
 
 
@@ -267,7 +279,9 @@ def test_array_in_python_control_flow_explains_the_fix():
 
 def test_failures_are_reported_against_the_users_line():
     def f(x, idx):
-        return jnp.sum(x @ x) + jax.pure_callback(lambda i: 1 / 0, jax.ShapeDtypeStruct((), jnp.float32), idx)
+        return jnp.sum(x @ x) + jax.pure_callback(
+            lambda i: 1 / 0, jax.ShapeDtypeStruct((), jnp.float32), idx
+        )
 
     with pytest.raises(Exception) as info:
         jax.block_until_ready(mpjax.autocast(f)(_w(2, 2), 0))
@@ -282,10 +296,15 @@ def test_literals_outside_the_low_range_run_in_float32(constant):
     # the operation runs in float32 instead of dividing by inf or by 0.
     f = lambda w, x: jnp.sum((x @ w) / constant)
     w, x = _w(3, 3), _w(2, 3, seed=1)
-    (div,) = [e for e in all_eqns(jax.make_jaxpr(mpjax.autocast(f))(w, x)) if e.primitive.name == "div"]
+    (div,) = [
+        e for e in all_eqns(jax.make_jaxpr(mpjax.autocast(f))(w, x)) if e.primitive.name == "div"
+    ]
     assert div.outvars[0].aval.dtype == F32
     np.testing.assert_allclose(mpjax.autocast(f)(w, x), f(w, x), rtol=2e-2)
     # bfloat16 has float32's range: it stays low.
-    (div,) = [e for e in all_eqns(jax.make_jaxpr(mpjax.autocast(f, dtype=jnp.bfloat16))(w, x))
-              if e.primitive.name == "div"]
+    (div,) = [
+        e
+        for e in all_eqns(jax.make_jaxpr(mpjax.autocast(f, dtype=jnp.bfloat16))(w, x))
+        if e.primitive.name == "div"
+    ]
     assert div.outvars[0].aval.dtype == BF16

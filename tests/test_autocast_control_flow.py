@@ -31,7 +31,10 @@ def _check(f, *args, low=F16, reverse=True):
         got, want = jax.jit(jax.grad(g))(*args), jax.grad(f)(*args)
     else:  # while loops: forward mode only
         tangents = tuple(jnp.ones_like(a) for a in args)
-        got, want = jax.jit(lambda *a: jax.jvp(g, a, tangents)[1])(*args), jax.jvp(f, args, tangents)[1]
+        got, want = (
+            jax.jit(lambda *a: jax.jvp(g, a, tangents)[1])(*args),
+            jax.jvp(f, args, tangents)[1],
+        )
     assert got.dtype == want.dtype == F32
     np.testing.assert_allclose(got, want, rtol=4 * rel_tol(low), atol=1e-2)
 
@@ -41,11 +44,14 @@ def test_while_loop(low):
         def body(c):
             i, h = c
             return i + 1, jnp.tanh(h @ w)
+
         return lax.while_loop(lambda c: c[0] < 4, body, (0, x))[1].sum()
 
     _check(f, _w(5, 5), _w(3, 5, seed=1), low=low, reverse=False)
     (loop,) = _eqns(mpjax.autocast(f, dtype=low), _w(5, 5), _w(3, 5), name="while")
-    body_dots = [e for e in all_eqns(loop.params["body_jaxpr"]) if e.primitive.name == "dot_general"]
+    body_dots = [
+        e for e in all_eqns(loop.params["body_jaxpr"]) if e.primitive.name == "dot_general"
+    ]
     assert [e.outvars[0].aval.dtype for e in body_dots] == [low]
 
 
@@ -54,8 +60,9 @@ def test_fori_loop_with_dynamic_bounds():
         return lax.fori_loop(0, n, lambda i, h: jnp.sin(h @ w), x).sum()
 
     g = mpjax.autocast(f)
-    np.testing.assert_allclose(jax.jit(g)(_w(4, 4), _w(2, 4), 3), f(_w(4, 4), _w(2, 4), 3),
-                               rtol=2e-2)
+    np.testing.assert_allclose(
+        jax.jit(g)(_w(4, 4), _w(2, 4), 3), f(_w(4, 4), _w(2, 4), 3), rtol=2e-2
+    )
 
 
 def test_cond_branches_agree_on_dtypes(low):
@@ -85,6 +92,7 @@ def test_rnn_carry_started_from_zeros_stays_low_precision():
         def step(h, x):
             h = jnp.tanh(x @ wx + h @ wh)
             return h, None
+
         return lax.scan(step, jnp.zeros(wh.shape[0]), xs)[0].sum()
 
     args = _w(3, 6), _w(6, 6, seed=1), _w(5, 3, seed=2)
@@ -116,8 +124,10 @@ def _braced(text, i):
 
 def _while_regions(text):
     """The text each stablehlo.while runs per iteration, called functions included."""
-    functions = {m.group(1): _braced(text, m.start())
-                 for m in re.finditer(r"func\.func \w+ @([\w.$-]+)\(", text)}
+    functions = {
+        m.group(1): _braced(text, m.start())
+        for m in re.finditer(r"func\.func \w+ @([\w.$-]+)\(", text)
+    }
     regions = []
     for m in re.finditer(r"stablehlo\.while", text):
         region, seen = _braced(text, m.start()), set()
@@ -148,19 +158,25 @@ def test_scanned_weight_is_cast_once_outside_the_loop(kind):
     converts = re.findall(r"stablehlo.convert .*", text)
     assert sum(bool(re.search(weight, c)) for c in converts) == 1, converts
     loops = _while_regions(text)
-    assert loops and not any(re.search(r"convert .*7x7xf32>\) -> tensor<7x7xf16>", r) for r in loops)
+    assert loops and not any(
+        re.search(r"convert .*7x7xf32>\) -> tensor<7x7xf16>", r) for r in loops
+    )
     # Under grad as well: the backward loop reuses the cast weight.
     text = jax.jit(jax.grad(mpjax.autocast(f))).lower(w, x).as_text()
-    assert not any(re.search(r"convert .*7x7xf32>\) -> tensor<7x7xf16>", r)
-                   for r in _while_regions(text))
+    assert not any(
+        re.search(r"convert .*7x7xf32>\) -> tensor<7x7xf16>", r) for r in _while_regions(text)
+    )
 
 
 def test_weight_used_twice_is_cast_once():
     def f(w, x):
         return jnp.sum((x @ w) @ w) + jnp.sum(jax.jit(lambda a: a @ w)(x))
 
-    converts = [e for e in _eqns(mpjax.autocast(f), _w(4, 4), _w(2, 4), name="convert_element_type")
-                if e.invars[0].aval.shape == (4, 4)]
+    converts = [
+        e
+        for e in _eqns(mpjax.autocast(f), _w(4, 4), _w(2, 4), name="convert_element_type")
+        if e.invars[0].aval.shape == (4, 4)
+    ]
     assert len(converts) == 1
 
 
@@ -177,8 +193,11 @@ def test_checkpoint_keeps_policy_and_is_autocast(low):
     assert dots and all(e.outvars[0].aval.dtype == low for e in dots)
 
 
-@pytest.mark.parametrize("act", [jax.nn.relu, jax.nn.softplus, jax.nn.silu, jax.nn.gelu],
-                         ids=["relu", "softplus", "silu", "gelu"])
+@pytest.mark.parametrize(
+    "act",
+    [jax.nn.relu, jax.nn.softplus, jax.nn.silu, jax.nn.gelu],
+    ids=["relu", "softplus", "silu", "gelu"],
+)
 def test_library_custom_jvp_activations(act, low):
     _check(lambda w, x=_w(3, 4, seed=1): jnp.sum(act(x @ w)), _w(4, 4), low=low)
 
@@ -277,6 +296,7 @@ def test_shard_map_inside_autocast():
     def f(w, x):
         def local(w, x):
             return lax.psum(jnp.sum(jnp.tanh(x @ w)), "d")
+
         return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("d")), out_specs=P())(w, x)
 
     w, x = _w(4, 4), _w(2, 4, seed=1)
@@ -284,8 +304,9 @@ def test_shard_map_inside_autocast():
     dots = [e for e in all_eqns(sm.params["jaxpr"]) if e.primitive.name == "dot_general"]
     assert [e.outvars[0].aval.dtype for e in dots] == [F16]
     np.testing.assert_allclose(jax.jit(mpjax.autocast(f))(w, x), f(w, x), rtol=2e-2)
-    np.testing.assert_allclose(jax.grad(mpjax.autocast(f))(w, x), jax.grad(f)(w, x),
-                               rtol=5e-2, atol=1e-3)
+    np.testing.assert_allclose(
+        jax.grad(mpjax.autocast(f))(w, x), jax.grad(f)(w, x), rtol=5e-2, atol=1e-3
+    )
 
 
 def test_autocast_inside_shard_map():

@@ -32,8 +32,9 @@ def test_every_equation_obeys_policy(name, loss, params, inputs, low, policy):
 @pytest.mark.parametrize("name,loss,params,inputs", CASES, ids=IDS)
 def test_loss_and_grads_close_to_float32(name, loss, params, inputs, low, policy):
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss))(params, *inputs)
-    out_loss, grads = jax.jit(jax.value_and_grad(
-        mpjax.autocast(loss, dtype=low, policy=policy)))(params, *inputs)
+    out_loss, grads = jax.jit(jax.value_and_grad(mpjax.autocast(loss, dtype=low, policy=policy)))(
+        params, *inputs
+    )
     assert out_loss.dtype == F32
     np.testing.assert_allclose(out_loss, ref_loss, rtol=rel_tol(low))
     # Gradients of float32 parameters are float32, whatever ran inside.
@@ -47,10 +48,14 @@ def test_loss_and_grads_close_to_float32(name, loss, params, inputs, low, policy
 @pytest.mark.parametrize("name,loss,params,inputs", CASES, ids=IDS)
 def test_backward_matmuls_run_in_low_precision(name, loss, params, inputs, low):
     jaxpr = jax.make_jaxpr(jax.grad(mpjax.autocast(loss, dtype=low)))(params, *inputs)
-    matmuls = [e for e in all_eqns(jaxpr)
-               if e.primitive.name in ("dot_general", "conv_general_dilated")]
-    forward = [e for e in all_eqns(jax.make_jaxpr(loss)(params, *inputs))
-               if e.primitive.name in ("dot_general", "conv_general_dilated")]
+    matmuls = [
+        e for e in all_eqns(jaxpr) if e.primitive.name in ("dot_general", "conv_general_dilated")
+    ]
+    forward = [
+        e
+        for e in all_eqns(jax.make_jaxpr(loss)(params, *inputs))
+        if e.primitive.name in ("dot_general", "conv_general_dilated")
+    ]
     assert len(matmuls) > len(forward), "the backward pass has its own products"
     for e in matmuls:
         assert {v.aval.dtype for v in e.invars} == {low}, e
@@ -65,12 +70,16 @@ def test_transformer_attention_details(low):
     eqns = list(all_eqns(jaxpr))
     # The -1e9 mask is a weak literal: the masked scores stay in low precision,
     # so the [B, H, T, T] select does not double in size.
-    selects = [e for e in eqns if e.primitive.name == "select_n"
-               and len(e.outvars[0].aval.shape) == 4]
+    selects = [
+        e for e in eqns if e.primitive.name == "select_n" and len(e.outvars[0].aval.shape) == 4
+    ]
     assert selects and all(e.outvars[0].aval.dtype == low for e in selects)
     # softmax, layer norm and the loss accumulate in float32.
-    assert all(e.outvars[0].aval.dtype == F32 for e in eqns if e.primitive.name in
-               ("exp", "reduce_sum", "rsqrt", "log", "integer_pow", "square"))
+    assert all(
+        e.outvars[0].aval.dtype == F32
+        for e in eqns
+        if e.primitive.name in ("exp", "reduce_sum", "rsqrt", "log", "integer_pow", "square")
+    )
 
 
 def test_masked_attention_fully_masked_row_stays_finite():
@@ -104,14 +113,25 @@ def test_lean_policy_details():
     _, loss, params, (tokens,) = CASES[2]
     eqns = list(all_eqns(jax.make_jaxpr(mpjax.autocast(loss, policy="lean"))(params, tokens)))
     # The embedding lookup gathers from a float16 table.
-    (gather,) = [e for e in eqns if e.primitive.name == "gather" and e.invars[0].aval.ndim == 2
-                 and e.invars[0].aval.shape[0] == 11 and e.outvars[0].aval.ndim == 3]
+    (gather,) = [
+        e
+        for e in eqns
+        if e.primitive.name == "gather"
+        and e.invars[0].aval.ndim == 2
+        and e.invars[0].aval.shape[0] == 11
+        and e.outvars[0].aval.ndim == 3
+    ]
     assert gather.outvars[0].aval.dtype == jnp.float16
     # The residual stream and the attention probabilities stay float16 (per-row
     # statistics, [B, T, 1], stay float32) ...
-    activations = [e for e in eqns if e.primitive.name in ("add", "div")
-                   and e.outvars[0].aval.ndim >= 3 and e.outvars[0].aval.shape[-1] > 1
-                   and jnp.issubdtype(e.outvars[0].aval.dtype, jnp.floating)]
+    activations = [
+        e
+        for e in eqns
+        if e.primitive.name in ("add", "div")
+        and e.outvars[0].aval.ndim >= 3
+        and e.outvars[0].aval.shape[-1] > 1
+        and jnp.issubdtype(e.outvars[0].aval.dtype, jnp.floating)
+    ]
     assert len(activations) >= 4
     assert all(e.outvars[0].aval.dtype == jnp.float16 for e in activations)
     # ... while exp itself computes in float32, inside a rematerialized region.

@@ -37,8 +37,15 @@ import pytest
 from flax import nnx
 
 import mpjax
-from mpjax import (get_scale, grad_scaler, scale_loss, scaled_value_and_grad, scaler_stats,
-                   set_scale, static_scaler)
+from mpjax import (
+    get_scale,
+    grad_scaler,
+    scale_loss,
+    scaled_value_and_grad,
+    scaler_stats,
+    set_scale,
+    static_scaler,
+)
 
 PARAMS = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(3, 2), "b": jnp.zeros(2)}
 
@@ -48,41 +55,52 @@ PARAMS = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(3, 2), "b": jnp.zeros(2)}
 
 @pytest.mark.parametrize("fun", [3, "loss", jnp.ones(2)], ids=["int", "str", "array"])
 def test_non_callable_names_fun_and_the_fix(fun):
-  with pytest.raises(TypeError, match=r"autocast\(fun\): fun must be callable, got "
-                                      r"(int|str|ArrayImpl)\. Wrap the function") as info:
-    mpjax.autocast(fun)
-  assert "@autocast(dtype=jnp.bfloat16)" in str(info.value)
+    with pytest.raises(
+        TypeError,
+        match=r"autocast\(fun\): fun must be callable, got "
+        r"(int|str|ArrayImpl)\. Wrap the function",
+    ) as info:
+        mpjax.autocast(fun)
+    assert "@autocast(dtype=jnp.bfloat16)" in str(info.value)
 
 
 def test_dtype_passed_positionally_is_refused_at_wrap_time():
-  # torch.autocast(device, dtype) habits: autocast(jnp.float16) wraps the
-  # float16 *constructor*, and @autocast(jnp.bfloat16) breaks the function.
-  with pytest.raises(TypeError, match=r"dtype="):
-    mpjax.autocast(jnp.bfloat16)
+    # torch.autocast(device, dtype) habits: autocast(jnp.float16) wraps the
+    # float16 *constructor*, and @autocast(jnp.bfloat16) breaks the function.
+    with pytest.raises(TypeError, match=r"dtype="):
+        mpjax.autocast(jnp.bfloat16)
 
 
 @pytest.mark.parametrize("fun", [3, jnp.ones(2)], ids=["int", "array"])
 def test_audit_non_callable_names_fun(fun):
-  with pytest.raises(TypeError, match=r"audit\(fun, \.\.\.\): fun must be callable, got "
-                                      r"(int|ArrayImpl)"):
-    mpjax.audit(fun, jnp.ones(2))
+    with pytest.raises(
+        TypeError,
+        match=r"audit\(fun, \.\.\.\): fun must be callable, got "
+        r"(int|ArrayImpl)",
+    ):
+        mpjax.audit(fun, jnp.ones(2))
 
 
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float64, jnp.float32, "half-ish", "int8"])
 def test_bad_dtype_names_the_valid_ones_and_the_float32_route(dtype):
-  for make in [lambda: mpjax.autocast(lambda x: x, dtype=dtype),
-               lambda: mpjax.autocast(dtype=dtype)]:  # the decorator form fails as early
-    with pytest.raises(ValueError, match=r"autocast\(dtype=.*\): dtype must be jnp\.float16 "
-                                         r"or jnp\.bfloat16") as info:
-      make()
-    assert "autocast(fun, enabled=False)" in str(info.value)
+    for make in [
+        lambda: mpjax.autocast(lambda x: x, dtype=dtype),
+        lambda: mpjax.autocast(dtype=dtype),
+    ]:  # the decorator form fails as early
+        with pytest.raises(
+            ValueError,
+            match=r"autocast\(dtype=.*\): dtype must be jnp\.float16 "
+            r"or jnp\.bfloat16",
+        ) as info:
+            make()
+        assert "autocast(fun, enabled=False)" in str(info.value)
 
 
 @pytest.mark.parametrize("name, low", [("float16", jnp.float16), ("bfloat16", jnp.bfloat16)])
 def test_dtype_names_are_accepted(name, low):
-  x = jnp.ones((2, 2))
-  report = mpjax.audit(mpjax.autocast(lambda a: a @ a, dtype=name), x)
-  assert [e.out_dtypes for e in report.find("dot_general")] == [(np.dtype(low).name,)]
+    x = jnp.ones((2, 2))
+    report = mpjax.audit(mpjax.autocast(lambda a: a @ a, dtype=name), x)
+    assert [e.out_dtypes for e in report.find("dot_general")] == [(np.dtype(low).name,)]
 
 
 # --------------------------------------------------------------------------
@@ -90,37 +108,39 @@ def test_dtype_names_are_accepted(name, low):
 
 
 def test_python_scalars_and_strings_reach_fun_unchanged():
-  seen = {}
+    seen = {}
 
-  def f(x, n, *, training, eps, act, sizes):
-    seen.update(n=n, training=training, eps=eps, act=act, sizes=sizes)
-    h = x
-    for _ in range(n):  # an int steers a Python loop
-      h = getattr(jnp, act)(h @ x)
-    h = h + jnp.zeros(sizes["cols"])  # an int inside a pytree gives a shape
-    if training and eps > 0:  # a bool and a float steer a branch
-      h = h + eps
-    return jnp.sum(h)
+    def f(x, n, *, training, eps, act, sizes):
+        seen.update(n=n, training=training, eps=eps, act=act, sizes=sizes)
+        h = x
+        for _ in range(n):  # an int steers a Python loop
+            h = getattr(jnp, act)(h @ x)
+        h = h + jnp.zeros(sizes["cols"])  # an int inside a pytree gives a shape
+        if training and eps > 0:  # a bool and a float steer a branch
+            h = h + eps
+        return jnp.sum(h)
 
-  x = jnp.full((3, 3), 0.5)
-  kwargs = dict(training=True, eps=0.25, act="tanh", sizes={"cols": 3})
-  got = mpjax.autocast(f)(x, 2, **kwargs)
-  assert seen == dict(n=2, **kwargs)
-  assert type(seen["n"]) is int and type(seen["training"]) is bool
-  assert type(seen["eps"]) is float
-  np.testing.assert_allclose(got, f(x, 2, **kwargs), rtol=2e-2)
-  # Under jit the same values must be static, as for any jitted function.
-  jitted = jax.jit(mpjax.autocast(f), static_argnums=1,
-                   static_argnames=("training", "eps", "act", "sizes"))
-  np.testing.assert_allclose(jitted(x, 2, training=True, eps=0.25, act="tanh",
-                                    sizes=_Hashable(cols=3)), got, rtol=1e-6)
+    x = jnp.full((3, 3), 0.5)
+    kwargs = dict(training=True, eps=0.25, act="tanh", sizes={"cols": 3})
+    got = mpjax.autocast(f)(x, 2, **kwargs)
+    assert seen == dict(n=2, **kwargs)
+    assert type(seen["n"]) is int and type(seen["training"]) is bool
+    assert type(seen["eps"]) is float
+    np.testing.assert_allclose(got, f(x, 2, **kwargs), rtol=2e-2)
+    # Under jit the same values must be static, as for any jitted function.
+    jitted = jax.jit(
+        mpjax.autocast(f), static_argnums=1, static_argnames=("training", "eps", "act", "sizes")
+    )
+    np.testing.assert_allclose(
+        jitted(x, 2, training=True, eps=0.25, act="tanh", sizes=_Hashable(cols=3)), got, rtol=1e-6
+    )
 
 
 class _Hashable(dict):
-  """A dict usable as a static jit argument."""
+    """A dict usable as a static jit argument."""
 
-  def __hash__(self):
-    return hash(tuple(sorted(self.items())))
+    def __hash__(self):
+        return hash(tuple(sorted(self.items())))
 
 
 HINT = "Pass such flags as Python bools or ints"
@@ -128,29 +148,38 @@ HINT = "Pass such flags as Python bools or ints"
 
 @pytest.mark.parametrize("case", ["range(array)", "float(array)", "numpy int scalar"])
 def test_array_where_python_needs_a_value_carries_the_hint(case):
-  x = jnp.ones(2)
-  if case == "range(array)":
-    f, args, error = lambda x, n: sum(x for _ in range(n)), (x, jnp.array(3)), \
-        jax.errors.TracerIntegerConversionError
-  elif case == "float(array)":
-    f, args, error = lambda x, s: x * float(s), (x, jnp.array(2.0)), \
-        jax.errors.ConcretizationTypeError
-  else:  # NumPy scalars count as arrays (they are traced), as documented
-    f, args, error = lambda x, n: sum(x for _ in range(n)), (x, np.int64(3)), \
-        jax.errors.TracerIntegerConversionError
-  with pytest.raises(error) as info:
-    mpjax.autocast(f)(*args)
-  assert HINT in "".join(getattr(info.value, "__notes__", []))
+    x = jnp.ones(2)
+    if case == "range(array)":
+        f, args, error = (
+            lambda x, n: sum(x for _ in range(n)),
+            (x, jnp.array(3)),
+            jax.errors.TracerIntegerConversionError,
+        )
+    elif case == "float(array)":
+        f, args, error = (
+            lambda x, s: x * float(s),
+            (x, jnp.array(2.0)),
+            jax.errors.ConcretizationTypeError,
+        )
+    else:  # NumPy scalars count as arrays (they are traced), as documented
+        f, args, error = (
+            lambda x, n: sum(x for _ in range(n)),
+            (x, np.int64(3)),
+            jax.errors.TracerIntegerConversionError,
+        )
+    with pytest.raises(error) as info:
+        mpjax.autocast(f)(*args)
+    assert HINT in "".join(getattr(info.value, "__notes__", []))
 
 
 def test_audit_keeps_python_flags_static_like_autocast():
-  def f(x, training):
-    return x @ x if training else x
+    def f(x, training):
+        return x @ x if training else x
 
-  x = jnp.ones((2, 2))
-  mpjax.autocast(f)(x, True)  # fine
-  report = mpjax.audit(mpjax.autocast(f), x, True)
-  assert report.find("dot_general")
+    x = jnp.ones((2, 2))
+    mpjax.autocast(f)(x, True)  # fine
+    report = mpjax.audit(mpjax.autocast(f), x, True)
+    assert report.find("dot_general")
 
 
 # --------------------------------------------------------------------------
@@ -166,8 +195,8 @@ HELPERS = {
 
 
 def _nnx_optimizer_without_scaler():
-  model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
-  return nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    return nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
 
 
 WRONG_STATES = {
@@ -182,82 +211,129 @@ WRONG_STATES = {
 @pytest.mark.parametrize("helper", list(HELPERS))
 @pytest.mark.parametrize("wrong", list(WRONG_STATES))
 def test_helpers_on_something_else_name_it_and_the_fix(helper, wrong):
-  obj, type_name = WRONG_STATES[wrong]
-  with pytest.raises(ValueError, match=rf"{helper}: no GradScalerState "
-                                       r"found in `opt_state` "
-                                       rf"\(a {type_name}\)\. Build the optimizer with "
-                                       r"mpjax\.grad_scaler\(inner\)") as info:
-    HELPERS[helper](obj)
-  assert "Pass the state its init returned." in str(info.value)
+    obj, type_name = WRONG_STATES[wrong]
+    with pytest.raises(
+        ValueError,
+        match=rf"{helper}: no GradScalerState "
+        r"found in `opt_state` "
+        rf"\(a {type_name}\)\. Build the optimizer with "
+        r"mpjax\.grad_scaler\(inner\)",
+    ) as info:
+        HELPERS[helper](obj)
+    assert "Pass the state its init returned." in str(info.value)
 
 
 @pytest.mark.parametrize("helper", list(HELPERS))
 def test_helpers_on_two_scalers_name_both_paths_and_the_fix(helper):
-  state = optax.chain(grad_scaler(optax.sgd(0.1)), grad_scaler(optax.sgd(0.1))).init(PARAMS)
-  with pytest.raises(ValueError, match=r"found 2 GradScalerStates in `opt_state` "
-                                       r"\(at \[0\], \[1\]\).*single grad_scaler"):
-    HELPERS[helper](state)
+    state = optax.chain(grad_scaler(optax.sgd(0.1)), grad_scaler(optax.sgd(0.1))).init(PARAMS)
+    with pytest.raises(
+        ValueError,
+        match=r"found 2 GradScalerStates in `opt_state` "
+        r"\(at \[0\], \[1\]\).*single grad_scaler",
+    ):
+        HELPERS[helper](state)
 
 
 @pytest.mark.parametrize("helper", list(HELPERS))
 def test_helper_errors_name_the_helper_that_was_called(helper):
-  with pytest.raises(ValueError) as info:
-    HELPERS[helper](optax.adam(1e-3).init(PARAMS))
-  assert str(info.value).startswith(f"{helper}: "), str(info.value)[:40]
+    with pytest.raises(ValueError) as info:
+        HELPERS[helper](optax.adam(1e-3).init(PARAMS))
+    assert str(info.value).startswith(f"{helper}: "), str(info.value)[:40]
 
 
 def test_update_on_a_state_without_scaler_is_a_clear_error():
-  # E.g. an optimizer state restored from a checkpoint written before mpjax.
-  tx = grad_scaler(optax.adam(1e-3))
-  with pytest.raises((TypeError, ValueError), match="GradScalerState"):
-    tx.update(PARAMS, optax.adam(1e-3).init(PARAMS), PARAMS)
+    # E.g. an optimizer state restored from a checkpoint written before mpjax.
+    tx = grad_scaler(optax.adam(1e-3))
+    with pytest.raises((TypeError, ValueError), match="GradScalerState"):
+        tx.update(PARAMS, optax.adam(1e-3).init(PARAMS), PARAMS)
 
 
 # --------------------------------------------------------------------------
 # Hyperparameters out of range: the message gives the valid range.
 
 OUT_OF_RANGE = [
-    (grad_scaler, dict(growth_factor=1.0),
-     r"grad_scaler: growth_factor must be a finite number > 1, got 1\.0"),
-    (grad_scaler, dict(backoff_factor=1.5),
-     r"grad_scaler: backoff_factor must be a number in \(0, 1\), got 1\.5"),
-    (grad_scaler, dict(growth_interval=0),
-     r"grad_scaler: growth_interval must be an integer in \[1, 2147483647\], got 0"),
-    (grad_scaler, dict(growth_interval=10.0),
-     r"grad_scaler: growth_interval must be an integer >= 1, got 10\.0 \(a float\)"),
-    (grad_scaler, dict(init_scale=-1.0),
-     r"grad_scaler: init_scale must be a finite number > 0, got -1\.0"),
-    (grad_scaler, dict(init_scale=1e39),
-     r"grad_scaler: init_scale=1e\+39 overflows float32; it must be at most 3\.4"),
-    (grad_scaler, dict(min_scale=1e-40),
-     r"grad_scaler: min_scale must be a finite number >= 2\*\*-126 \(a normal float32\)"),
-    (grad_scaler, dict(init_scale=1.0, min_scale=4.0),
-     r"init_scale=1\.0 is below min_scale=4\.0; raise init_scale or lower min_scale"),
-    (grad_scaler, dict(accumulation_steps=0),
-     r"grad_scaler: accumulation_steps must be an integer in \[1, "),
-    (static_scaler, dict(scale=0.0),
-     r"static_scaler: scale must be a finite float32 number >= 2\*\*-126"),
-    (static_scaler, dict(scale=float("inf")),
-     r"static_scaler: scale must be a finite float32 number >= 2\*\*-126"),
-    (static_scaler, dict(scale=1.0, accumulation_steps=-2),
-     r"static_scaler: accumulation_steps must be an integer in \[1, "),
+    (
+        grad_scaler,
+        dict(growth_factor=1.0),
+        r"grad_scaler: growth_factor must be a finite number > 1, got 1\.0",
+    ),
+    (
+        grad_scaler,
+        dict(backoff_factor=1.5),
+        r"grad_scaler: backoff_factor must be a number in \(0, 1\), got 1\.5",
+    ),
+    (
+        grad_scaler,
+        dict(growth_interval=0),
+        r"grad_scaler: growth_interval must be an integer in \[1, 2147483647\], got 0",
+    ),
+    (
+        grad_scaler,
+        dict(growth_interval=10.0),
+        r"grad_scaler: growth_interval must be an integer >= 1, got 10\.0 \(a float\)",
+    ),
+    (
+        grad_scaler,
+        dict(init_scale=-1.0),
+        r"grad_scaler: init_scale must be a finite number > 0, got -1\.0",
+    ),
+    (
+        grad_scaler,
+        dict(init_scale=1e39),
+        r"grad_scaler: init_scale=1e\+39 overflows float32; it must be at most 3\.4",
+    ),
+    (
+        grad_scaler,
+        dict(min_scale=1e-40),
+        r"grad_scaler: min_scale must be a finite number >= 2\*\*-126 \(a normal float32\)",
+    ),
+    (
+        grad_scaler,
+        dict(init_scale=1.0, min_scale=4.0),
+        r"init_scale=1\.0 is below min_scale=4\.0; raise init_scale or lower min_scale",
+    ),
+    (
+        grad_scaler,
+        dict(accumulation_steps=0),
+        r"grad_scaler: accumulation_steps must be an integer in \[1, ",
+    ),
+    (
+        static_scaler,
+        dict(scale=0.0),
+        r"static_scaler: scale must be a finite float32 number >= 2\*\*-126",
+    ),
+    (
+        static_scaler,
+        dict(scale=float("inf")),
+        r"static_scaler: scale must be a finite float32 number >= 2\*\*-126",
+    ),
+    (
+        static_scaler,
+        dict(scale=1.0, accumulation_steps=-2),
+        r"static_scaler: accumulation_steps must be an integer in \[1, ",
+    ),
 ]
 
 
-@pytest.mark.parametrize("make, kwargs, message", OUT_OF_RANGE,
-                         ids=[next(iter(k)) + "=" + str(list(k.values())[-1])
-                              for _, k, _ in OUT_OF_RANGE])
+@pytest.mark.parametrize(
+    "make, kwargs, message",
+    OUT_OF_RANGE,
+    ids=[next(iter(k)) + "=" + str(list(k.values())[-1]) for _, k, _ in OUT_OF_RANGE],
+)
 def test_out_of_range_hyperparameter_gives_the_valid_range(make, kwargs, message):
-  with pytest.raises(ValueError, match=message):
-    make(optax.sgd(0.1), **kwargs)
+    with pytest.raises(ValueError, match=message):
+        make(optax.sgd(0.1), **kwargs)
 
 
 @pytest.mark.parametrize("value", [0.0, -2.0, float("nan"), 1e39])
 def test_set_scale_out_of_range_gives_the_valid_range(value):
-  state = grad_scaler(optax.sgd(0.1)).init(PARAMS)
-  with pytest.raises(ValueError, match=r"set_scale: new_scale=.* must be a finite float32 "
-                                       r"number >= 2\*\*-126"):
-    set_scale(state, value)
+    state = grad_scaler(optax.sgd(0.1)).init(PARAMS)
+    with pytest.raises(
+        ValueError,
+        match=r"set_scale: new_scale=.* must be a finite float32 "
+        r"number >= 2\*\*-126",
+    ):
+        set_scale(state, value)
 
 
 # --------------------------------------------------------------------------
@@ -267,14 +343,14 @@ _TX = grad_scaler(optax.adam(1e-2), init_scale=1024.0, growth_interval=2)
 
 
 def _loss(params, x):
-  return jnp.sum((x @ params["w"] + params["b"]) ** 2)
+    return jnp.sum((x @ params["w"] + params["b"]) ** 2)
 
 
 @jax.jit
 def _step(params, state, x):
-  _, grads = scaled_value_and_grad(_loss, state)(params, x)
-  updates, state = _TX.update(grads, state, params)
-  return optax.apply_updates(params, updates), state
+    _, grads = scaled_value_and_grad(_loss, state)(params, x)
+    updates, state = _TX.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
 
 
 X = jnp.array([[1.0, 2.0, -1.0], [0.5, 0.0, 1.0]])
@@ -293,50 +369,51 @@ RESTORED_SCALES = {
 
 @pytest.mark.parametrize("name", list(RESTORED_SCALES))
 def test_restored_scalar_scale_of_another_dtype_is_accepted_and_cast(name):
-  state = _TX.init(PARAMS)
-  want_params, want_state = _step(PARAMS, state, X)
-  params, new_state = _step(PARAMS, state._replace(scale=RESTORED_SCALES[name]), X)
-  chex.assert_trees_all_equal(params, want_params)
-  chex.assert_trees_all_equal(new_state, want_state)
-  chex.assert_trees_all_equal_dtypes(new_state, want_state)
-  assert new_state.scale.shape == () and new_state.scale.dtype == jnp.float32
+    state = _TX.init(PARAMS)
+    want_params, want_state = _step(PARAMS, state, X)
+    params, new_state = _step(PARAMS, state._replace(scale=RESTORED_SCALES[name]), X)
+    chex.assert_trees_all_equal(params, want_params)
+    chex.assert_trees_all_equal(new_state, want_state)
+    chex.assert_trees_all_equal_dtypes(new_state, want_state)
+    assert new_state.scale.shape == () and new_state.scale.dtype == jnp.float32
 
 
 @pytest.mark.parametrize("name", list(RESTORED_SCALES))
 def test_helpers_read_a_restored_scale_as_float32(name):
-  # get_scale is documented to return "the float32 scalar scale".
-  state = _TX.init(PARAMS)._replace(scale=RESTORED_SCALES[name])
-  assert float(get_scale(state)) == 1024.0
-  assert get_scale(state).dtype == jnp.float32, get_scale(state).dtype
-  assert scaler_stats(state)["scale"].dtype == jnp.float32
+    # get_scale is documented to return "the float32 scalar scale".
+    state = _TX.init(PARAMS)._replace(scale=RESTORED_SCALES[name])
+    assert float(get_scale(state)) == 1024.0
+    assert get_scale(state).dtype == jnp.float32, get_scale(state).dtype
+    assert scaler_stats(state)["scale"].dtype == jnp.float32
 
 
 def test_restored_zero_scale_recovers():
-  params, state = _step(PARAMS, _TX.init(PARAMS)._replace(scale=jnp.float32(0.0)), X)
-  chex.assert_trees_all_equal(params, PARAMS)  # 0 * inf: skipped, not applied
-  assert bool(state.last_step_skipped)
-  assert float(state.scale) == 2.0**-14  # the floor
-  params, state = _step(params, state, X)
-  assert not bool(state.last_step_skipped)
-  assert bool(jnp.all(jnp.isfinite(params["w"]))) and not np.array_equal(params["w"], PARAMS["w"])
+    params, state = _step(PARAMS, _TX.init(PARAMS)._replace(scale=jnp.float32(0.0)), X)
+    chex.assert_trees_all_equal(params, PARAMS)  # 0 * inf: skipped, not applied
+    assert bool(state.last_step_skipped)
+    assert float(state.scale) == 2.0**-14  # the floor
+    params, state = _step(params, state, X)
+    assert not bool(state.last_step_skipped)
+    assert bool(jnp.all(jnp.isfinite(params["w"]))) and not np.array_equal(params["w"], PARAMS["w"])
 
 
-@pytest.mark.parametrize("scale", [np.array([1024.0], np.float32), jnp.ones((1, 1))],
-                         ids=["shape (1,)", "shape (1, 1)"])
+@pytest.mark.parametrize(
+    "scale", [np.array([1024.0], np.float32), jnp.ones((1, 1))], ids=["shape (1,)", "shape (1, 1)"]
+)
 def test_restored_non_scalar_scale_is_a_clear_error_at_update(scale):
-  state = _TX.init(PARAMS)._replace(scale=scale)
-  grads = jax.tree.map(jnp.ones_like, PARAMS)
-  with pytest.raises(ValueError, match=r"scale.*shape \(1,? ?1?\)"):
-    _TX.update(grads, state, PARAMS)
+    state = _TX.init(PARAMS)._replace(scale=scale)
+    grads = jax.tree.map(jnp.ones_like, PARAMS)
+    with pytest.raises(ValueError, match=r"scale.*shape \(1,? ?1?\)"):
+        _TX.update(grads, state, PARAMS)
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_restored_non_finite_scale_recovers(bad):
-  params, state = _step(PARAMS, _TX.init(PARAMS)._replace(scale=jnp.float32(bad)), X)
-  chex.assert_trees_all_equal(params, PARAMS)
-  assert bool(jnp.isfinite(state.scale)), f"the scale stays {float(state.scale)}"
-  params, state = _step(params, state, X)
-  assert not bool(state.last_step_skipped)
+    params, state = _step(PARAMS, _TX.init(PARAMS)._replace(scale=jnp.float32(bad)), X)
+    chex.assert_trees_all_equal(params, PARAMS)
+    assert bool(jnp.isfinite(state.scale)), f"the scale stays {float(state.scale)}"
+    params, state = _step(params, state, X)
+    assert not bool(state.last_step_skipped)
 
 
 # --------------------------------------------------------------------------
@@ -344,30 +421,30 @@ def test_restored_non_finite_scale_recovers(bad):
 
 
 def test_integer_programs_run_untouched():
-  def f(a, b, idx):
-    return (a @ b) * 3 + jnp.cumsum(idx), jnp.max(a, axis=0), a.astype(jnp.int32) // 2
+    def f(a, b, idx):
+        return (a @ b) * 3 + jnp.cumsum(idx), jnp.max(a, axis=0), a.astype(jnp.int32) // 2
 
-  a = jnp.arange(-8, 8, dtype=jnp.int8).reshape(4, 4)
-  b = jnp.eye(4, dtype=jnp.int8)
-  idx = jnp.arange(4, dtype=jnp.int32)
-  got, want = mpjax.autocast(f)(a, b, idx), f(a, b, idx)
-  chex.assert_trees_all_equal(got, want)
-  chex.assert_trees_all_equal_dtypes(got, want)
-  report = mpjax.audit(mpjax.autocast(f), a, b, idx)
-  assert report.casts_inserted == 0
-  assert report.find("dot_general")[0].out_dtypes == ("int8",)
+    a = jnp.arange(-8, 8, dtype=jnp.int8).reshape(4, 4)
+    b = jnp.eye(4, dtype=jnp.int8)
+    idx = jnp.arange(4, dtype=jnp.int32)
+    got, want = mpjax.autocast(f)(a, b, idx), f(a, b, idx)
+    chex.assert_trees_all_equal(got, want)
+    chex.assert_trees_all_equal_dtypes(got, want)
+    report = mpjax.audit(mpjax.autocast(f), a, b, idx)
+    assert report.casts_inserted == 0
+    assert report.find("dot_general")[0].out_dtypes == ("int8",)
 
 
 def test_float64_programs_run_untouched_values_and_gradients():
-  def f(w, x):
-    return jnp.sum(jnp.exp(jnp.tanh(x @ w)) ** 2)
+    def f(w, x):
+        return jnp.sum(jnp.exp(jnp.tanh(x @ w)) ** 2)
 
-  with jax.enable_x64(True):
-    w = jnp.linspace(-1.0, 1.0, 9, dtype=jnp.float64).reshape(3, 3)
-    x = jnp.linspace(0.0, 2.0, 6, dtype=jnp.float64).reshape(2, 3)
-    got = jax.jit(jax.value_and_grad(mpjax.autocast(f)))(w, x)
-    want = jax.jit(jax.value_and_grad(f))(w, x)
-    chex.assert_trees_all_equal(got, want)
-    chex.assert_trees_all_equal_dtypes(got, want)
-    assert got[1].dtype == jnp.float64
-    assert mpjax.audit(mpjax.autocast(f), w, x).casts_inserted == 0
+    with jax.enable_x64(True):
+        w = jnp.linspace(-1.0, 1.0, 9, dtype=jnp.float64).reshape(3, 3)
+        x = jnp.linspace(0.0, 2.0, 6, dtype=jnp.float64).reshape(2, 3)
+        got = jax.jit(jax.value_and_grad(mpjax.autocast(f)))(w, x)
+        want = jax.jit(jax.value_and_grad(f))(w, x)
+        chex.assert_trees_all_equal(got, want)
+        chex.assert_trees_all_equal_dtypes(got, want)
+        assert got[1].dtype == jnp.float64
+        assert mpjax.audit(mpjax.autocast(f), w, x).casts_inserted == 0

@@ -35,8 +35,11 @@ def _mesh():
 
 def _init():
     k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
-    params = dict(w1=0.3 * jax.random.normal(k1, (12, 32)), b1=jnp.zeros(32),
-                  w2=0.3 * jax.random.normal(k2, (32, 4)))
+    params = dict(
+        w1=0.3 * jax.random.normal(k1, (12, 32)),
+        b1=jnp.zeros(32),
+        w2=0.3 * jax.random.normal(k2, (32, 4)),
+    )
     x = jax.random.normal(k3, (64, 12))
     y = jax.random.randint(k4, (64,), 0, 4)
     return params, x, y
@@ -84,10 +87,14 @@ def _train_sharded_jit(params, x, y, steps=5, poison=None):
 
     for i in range(steps):
         xi = x if poison != i else x.at[3, 0].set(jnp.inf)
-        params, opt_state = step(params, opt_state, jax.device_put(xi, batch),
-                                 jax.device_put(y, batch))
-    return params, opt_state, step.lower(params, opt_state, jax.device_put(x, batch),
-                                         jax.device_put(y, batch))
+        params, opt_state = step(
+            params, opt_state, jax.device_put(xi, batch), jax.device_put(y, batch)
+        )
+    return (
+        params,
+        opt_state,
+        step.lower(params, opt_state, jax.device_put(x, batch), jax.device_put(y, batch)),
+    )
 
 
 def _shard_map_step(tx, mesh):
@@ -95,13 +102,15 @@ def _shard_map_step(tx, mesh):
         return lax.pmean(loss_fn(params, x, y), "data")
 
     def local(params, opt_state, x, y):
-        _, grads = mpjax.scaled_value_and_grad(mpjax.autocast(global_loss), opt_state)(
-            params, x, y)
+        _, grads = mpjax.scaled_value_and_grad(mpjax.autocast(global_loss), opt_state)(params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
-                                 out_specs=(P(), P())))
+    return jax.jit(
+        jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")), out_specs=(P(), P())
+        )
+    )
 
 
 def _train_shard_map(params, x, y, steps=5, poison_device=None, poison_step=None):
@@ -161,7 +170,7 @@ def _all_reduce_types(stablehlo: str) -> list[str]:
     """The operand type of every all_reduce in a lowered module."""
     types = []
     for m in re.finditer(r'"stablehlo\.all_reduce"', stablehlo):
-        signature = re.search(r"\}\) : \((tensor<[^>]*>)", stablehlo[m.end():])
+        signature = re.search(r"\}\) : \((tensor<[^>]*>)", stablehlo[m.end() :])
         types.append(signature.group(1))
     return types
 
@@ -172,8 +181,11 @@ def test_shard_map_gradient_all_reduce_is_float32():
     text = _shard_map_step(tx, _mesh()).lower(params, tx.init(params), x, y).as_text()
     types = _all_reduce_types(text)
     # The bias gradient is reduced as [32] or [1, 32], depending on the jax version.
-    gradient_reduces = [t for t in types if t in ("tensor<12x32xf32>", "tensor<1x32xf32>",
-                                                   "tensor<32xf32>", "tensor<32x4xf32>")]
+    gradient_reduces = [
+        t
+        for t in types
+        if t in ("tensor<12x32xf32>", "tensor<1x32xf32>", "tensor<32xf32>", "tensor<32x4xf32>")
+    ]
     assert len(gradient_reduces) == 3, types
     assert not [t for t in types if "f16" in t], types
 

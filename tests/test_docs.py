@@ -58,7 +58,7 @@ def _blocks(page: Path):
         body = []
         i += 1
         while i < len(lines) and not lines[i].strip().startswith(fence):
-            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
+            body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
             i += 1
         i += 1
         yield info, "\n".join(body)
@@ -74,8 +74,11 @@ def _is_include(code: str) -> bool:
 
 
 def _inline_python(page: Path) -> list[str]:
-    return [code for info, code in _blocks(page)
-            if _language(info) in ("python", "py") and not _is_include(code)]
+    return [
+        code
+        for info, code in _blocks(page)
+        if _language(info) in ("python", "py") and not _is_include(code)
+    ]
 
 
 @pytest.fixture
@@ -103,8 +106,13 @@ def test_snippet_runs(path, restore_jax_config, monkeypatch, tmp_path):
 def test_snippet_runs_on_eight_devices(name, tmp_path):
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     result = subprocess.run(
-        [sys.executable, str(DOCS / "snippets" / name)], cwd=tmp_path, capture_output=True,
-        text=True, timeout=300, env=_env(XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu"))
+        [sys.executable, str(DOCS / "snippets" / name)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu"),
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "8 devices" in result.stdout
 
@@ -127,8 +135,11 @@ def test_every_snippet_is_shown_and_every_include_exists():
 PAGES_WITH_INLINE_PYTHON = [p for p in PAGES if _inline_python(p)]
 
 
-@pytest.mark.parametrize("page", PAGES_WITH_INLINE_PYTHON,
-                         ids=[str(p.relative_to(DOCS)) for p in PAGES_WITH_INLINE_PYTHON])
+@pytest.mark.parametrize(
+    "page",
+    PAGES_WITH_INLINE_PYTHON,
+    ids=[str(p.relative_to(DOCS)) for p in PAGES_WITH_INLINE_PYTHON],
+)
 def test_inline_python_blocks_run(page, restore_jax_config, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "__main__"}
@@ -148,8 +159,9 @@ def test_quickstart_highlights_the_mpjax_lines():
     assert m, "docs/index.md: no highlighted snippet include"
     lines = (ROOT / m[2]).read_text().splitlines()
     highlighted = {int(n) for n in m[1].split()}
-    using_mpjax = {n for n, line in enumerate(lines, 1)
-                   if "mpjax" in line and n <= max(highlighted)}
+    using_mpjax = {
+        n for n, line in enumerate(lines, 1) if "mpjax" in line and n <= max(highlighted)
+    }
     assert highlighted == using_mpjax, [lines[n - 1] for n in sorted(highlighted ^ using_mpjax)]
 
 
@@ -191,8 +203,7 @@ def test_public_name_has_docstring_with_example(name):
 
 @pytest.mark.parametrize("test", DOCTESTS, ids=[t.name for t in DOCTESTS])
 def test_docstring_example(test, restore_jax_config):
-    runner = doctest.DocTestRunner(
-        optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     out = []
     result = runner.run(test, out=out.append, clear_globs=True)
     assert result.failed == 0, "".join(out)
@@ -216,8 +227,7 @@ def test_policy_page_is_generated_from_the_tables():
     from mpjax import interpreter, policy
 
     text = hooks.policy_markdown()
-    for name in [*policy.POLICY, *interpreter.HIGHER_ORDER,
-                 *getattr(policy, "LEAN_OVERRIDES", {})]:
+    for name in [*policy.POLICY, *interpreter.HIGHER_ORDER, *getattr(policy, "LEAN_OVERRIDES", {})]:
         assert f"`{name}`" in text, name
     assert hooks.MARKER in (DOCS / "policy.md").read_text()
 
@@ -225,10 +235,15 @@ def test_policy_page_is_generated_from_the_tables():
 def test_mkdocs_build_strict(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env=_env(NO_MKDOCS_2_WARNING="1"))
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(NO_MKDOCS_2_WARNING="1"),
+    )
     assert result.returncode == 0, (
         "mkdocs build --strict failed (the docs tools come with the test extra: "
-        "pip install -e '.[test]'):\n" + result.stdout + result.stderr)
+        "pip install -e '.[test]'):\n" + result.stdout + result.stderr
+    )
     for page in ["index.html", "pytorch/index.html", "policy/index.html", "api/index.html"]:
         assert (tmp_path / "site" / page).is_file(), page

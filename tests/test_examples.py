@@ -17,7 +17,7 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 def load(name):
     spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module      # Linen modules are dataclasses: they look it up
+    sys.modules[spec.name] = module  # Linen modules are dataclasses: they look it up
     spec.loader.exec_module(module)
     return module
 
@@ -25,8 +25,19 @@ def load(name):
 def test_digits(tmp_path, capsys):
     digits = load("digits")
     plot = tmp_path / "out" / "digits.png"
-    results = digits.main(["--steps", "8", "--batch-size", "16", "--growth-interval", "2",
-                           "--no-progress", "--plot", str(plot)])
+    results = digits.main(
+        [
+            "--steps",
+            "8",
+            "--batch-size",
+            "16",
+            "--growth-interval",
+            "2",
+            "--no-progress",
+            "--plot",
+            str(plot),
+        ]
+    )
     assert [r["mode"] for r in results] == ["float32", "float16", "bfloat16"]
     for r in results:
         assert 0.0 <= r["accuracy"] <= 1.0 and math.isfinite(r["final_loss"])
@@ -47,9 +58,30 @@ def test_char_lm(capsys):
     char_lm = load("char_lm")
     # Two of the three runs (bfloat16 is smoke-tested in test_digits): each run
     # compiles its own training step, the bulk of this test's time.
-    results = char_lm.main(["--steps", "4", "--layers", "1", "--width", "16", "--heads", "2",
-                            "--context", "16", "--batch-size", "4", "--max-bytes", "20000",
-                            "--val-batches", "2", "--no-progress", "--modes", "float32", "float16"])
+    results = char_lm.main(
+        [
+            "--steps",
+            "4",
+            "--layers",
+            "1",
+            "--width",
+            "16",
+            "--heads",
+            "2",
+            "--context",
+            "16",
+            "--batch-size",
+            "4",
+            "--max-bytes",
+            "20000",
+            "--val-batches",
+            "2",
+            "--no-progress",
+            "--modes",
+            "float32",
+            "float16",
+        ]
+    )
     assert [r["mode"] for r in results] == ["float32", "float16"]
     for r in results:
         # Four steps from a uniform guess over 256 bytes: near log(256).
@@ -87,7 +119,7 @@ def test_data_parallel(capsys):
 
     data_parallel = load("data_parallel")
     result = data_parallel.main(["--steps", "6", "--batch-size", "32"])
-    assert result["devices"] == jax.device_count() == 8      # conftest: 8 simulated devices
+    assert result["devices"] == jax.device_count() == 8  # conftest: 8 simulated devices
     single, parallel = result["single"], result["parallel"]
     # The same skip decisions and scale, and parameters replicated on every device.
     assert single["skipped_steps"] == parallel["skipped_steps"]

@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from jax import lax
 
 import mpjax
@@ -39,7 +38,8 @@ IN, HIDDEN, BATCH, N_BATCHES = 4, 16, 8, 4
 INIT_SCALE, GROWTH_INTERVAL, MIN_SCALE = 2.0**10, 4, 2.0**-14
 LENGTH = 410  # every fault program has this many steps: one compiled scan for all
 SCHEDULE = optax.warmup_cosine_decay_schedule(
-    init_value=1e-4, peak_value=1e-2, warmup_steps=20, decay_steps=400, end_value=1e-3)
+    init_value=1e-4, peak_value=1e-2, warmup_steps=20, decay_steps=400, end_value=1e-3
+)
 
 # Step inputs: (loss multiplier, value added to one batch element, factor on b2's cotangent).
 CLEAN = (1.0, 0.0, 1.0)
@@ -56,23 +56,23 @@ _INNER_SAW_FINITE = []
 
 
 def _observer():
-  """An identity transform that reports whether its gradients are finite."""
+    """An identity transform that reports whether its gradients are finite."""
 
-  def update(updates, state, params=None):
-    del params
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)]))
-    jax.debug.callback(lambda f: _INNER_SAW_FINITE.append(bool(f)), finite, ordered=True)
-    return updates, state
+    def update(updates, state, params=None):
+        del params
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)]))
+        jax.debug.callback(lambda f: _INNER_SAW_FINITE.append(bool(f)), finite, ordered=True)
+        return updates, state
 
-  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def _inner():
-  return optax.chain(
-      _observer(),
-      optax.clip_by_global_norm(1.0),
-      optax.inject_hyperparams(optax.adam)(learning_rate=SCHEDULE),
-  )
+    return optax.chain(
+        _observer(),
+        optax.clip_by_global_norm(1.0),
+        optax.inject_hyperparams(optax.adam)(learning_rate=SCHEDULE),
+    )
 
 
 TX = grad_scaler(_inner(), init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
@@ -80,15 +80,15 @@ TX = grad_scaler(_inner(), init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVA
 
 @jax.custom_vjp
 def _cotangent_times(x, factor):
-  return x
+    return x
 
 
 def _ct_fwd(x, factor):
-  return x, factor
+    return x, factor
 
 
 def _ct_bwd(factor, g):
-  return g * factor, jnp.zeros_like(factor)
+    return g * factor, jnp.zeros_like(factor)
 
 
 _cotangent_times.defvjp(_ct_fwd, _ct_bwd)
@@ -96,189 +96,209 @@ _cotangent_times.defvjp(_ct_fwd, _ct_bwd)
 
 @mpjax.autocast
 def _mse(params, x, y):
-  h = jax.nn.relu(x @ params["w1"] + params["b1"])
-  return jnp.mean((h @ params["w2"] + params["b2"] - y) ** 2)
+    h = jax.nn.relu(x @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] + params["b2"] - y) ** 2)
 
 
 def _loss(params, x, y, multiplier, grad_factor):
-  params = {**params, "b2": _cotangent_times(params["b2"], grad_factor)}
-  return _mse(params, x, y) * multiplier
+    params = {**params, "b2": _cotangent_times(params["b2"], grad_factor)}
+    return _mse(params, x, y) * multiplier
 
 
 def _init():
-  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-  params = {"w1": jax.random.normal(k1, (IN, HIDDEN)) / 2.0, "b1": jnp.zeros(HIDDEN),
-            "w2": jax.random.normal(k2, (HIDDEN, 1)) / 4.0, "b2": jnp.zeros(1)}
-  xs = jax.random.normal(k3, (N_BATCHES, BATCH, IN))
-  ys = jnp.sum(jnp.sin(xs), axis=-1, keepdims=True)
-  return params, xs, ys
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = {
+        "w1": jax.random.normal(k1, (IN, HIDDEN)) / 2.0,
+        "b1": jnp.zeros(HIDDEN),
+        "w2": jax.random.normal(k2, (HIDDEN, 1)) / 4.0,
+        "b2": jnp.zeros(1),
+    }
+    xs = jax.random.normal(k3, (N_BATCHES, BATCH, IN))
+    ys = jnp.sum(jnp.sin(xs), axis=-1, keepdims=True)
+    return params, xs, ys
 
 
 def _all_finite(tree):
-  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
 def _bits_equal(a, b):
-  """Bitwise equality of two pytrees (tells -0.0 from 0.0, unlike ==)."""
-  def one(x, y):
-    if jnp.issubdtype(x.dtype, jnp.floating):
-      as_int = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
-      x, y = lax.bitcast_convert_type(x, as_int), lax.bitcast_convert_type(y, as_int)
-    return jnp.all(x == y)
-  return jnp.all(jnp.stack([one(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]))
+    """Bitwise equality of two pytrees (tells -0.0 from 0.0, unlike ==)."""
+
+    def one(x, y):
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            as_int = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
+            x, y = lax.bitcast_convert_type(x, as_int), lax.bitcast_convert_type(y, as_int)
+        return jnp.all(x == y)
+
+    return jnp.all(jnp.stack([one(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]))
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled_program():
-  _, xs, ys = _init()
+    _, xs, ys = _init()
 
-  def body(carry, inputs):
-    params, state = carry
-    i, multiplier, poison, grad_factor = inputs
-    x = xs[i % N_BATCHES].at[0, 0].add(poison)
-    loss, grads = scaled_value_and_grad(_loss, state)(
-        params, x, ys[i % N_BATCHES], multiplier, grad_factor)
-    updates, new_state = TX.update(grads, state, params)
-    new_params = optax.apply_updates(params, updates)
-    out = {
-        "params": new_params, "state": new_state, "loss": loss,
-        "unchanged": _bits_equal((new_params, new_state.inner_state),
-                                 (params, state.inner_state)),
-        "finite": _all_finite((new_params, new_state)),
-    }
-    return (new_params, new_state), out
+    def body(carry, inputs):
+        params, state = carry
+        i, multiplier, poison, grad_factor = inputs
+        x = xs[i % N_BATCHES].at[0, 0].add(poison)
+        loss, grads = scaled_value_and_grad(_loss, state)(
+            params, x, ys[i % N_BATCHES], multiplier, grad_factor
+        )
+        updates, new_state = TX.update(grads, state, params)
+        new_params = optax.apply_updates(params, updates)
+        out = {
+            "params": new_params,
+            "state": new_state,
+            "loss": loss,
+            "unchanged": _bits_equal(
+                (new_params, new_state.inner_state), (params, state.inner_state)
+            ),
+            "finite": _all_finite((new_params, new_state)),
+        }
+        return (new_params, new_state), out
 
-  @jax.jit
-  def run(params, state, multipliers, poisons, grad_factors):
-    steps = jnp.arange(LENGTH)
-    return lax.scan(body, (params, state), (steps, multipliers, poisons, grad_factors))[1]
+    @jax.jit
+    def run(params, state, multipliers, poisons, grad_factors):
+        steps = jnp.arange(LENGTH)
+        return lax.scan(body, (params, state), (steps, multipliers, poisons, grad_factors))[1]
 
-  return run
+    return run
 
 
 def _run_program(program):
-  """Runs a list of LENGTH step inputs; returns the per-step outputs as numpy."""
-  assert len(program) == LENGTH
-  params, _, _ = _init()
-  columns = [jnp.asarray(c, jnp.float32) for c in zip(*program)]
-  _INNER_SAW_FINITE.clear()
-  out = _compiled_program()(params, TX.init(params), *columns)
-  out = jax.device_get(out)
-  jax.effects_barrier()
-  return params, out
+    """Runs a list of LENGTH step inputs; returns the per-step outputs as numpy."""
+    assert len(program) == LENGTH
+    params, _, _ = _init()
+    columns = [jnp.asarray(c, jnp.float32) for c in zip(*program)]
+    _INNER_SAW_FINITE.clear()
+    out = _compiled_program()(params, TX.init(params), *columns)
+    out = jax.device_get(out)
+    jax.effects_barrier()
+    return params, out
 
 
 def _reference_scales(faulty):
-  """torch's rule with the floor, in exact Python floats (all powers of two)."""
-  scale, tracker, scales, trackers = INIT_SCALE, 0, [], []
-  for bad in faulty:
-    if bad:
-      scale, tracker = max(scale * 0.5, MIN_SCALE), 0
-    else:
-      tracker += 1
-      if tracker == GROWTH_INTERVAL:
-        scale, tracker = scale * 2.0, 0
-    scales.append(scale)
-    trackers.append(tracker)
-  return np.array(scales, np.float32), np.array(trackers, np.int32)
+    """torch's rule with the floor, in exact Python floats (all powers of two)."""
+    scale, tracker, scales, trackers = INIT_SCALE, 0, [], []
+    for bad in faulty:
+        if bad:
+            scale, tracker = max(scale * 0.5, MIN_SCALE), 0
+        else:
+            tracker += 1
+            if tracker == GROWTH_INTERVAL:
+                scale, tracker = scale * 2.0, 0
+        scales.append(scale)
+        trackers.append(tracker)
+    return np.array(scales, np.float32), np.array(trackers, np.int32)
 
 
 def _step(tree, i):
-  return jax.tree.map(lambda x: x[i], tree)
+    return jax.tree.map(lambda x: x[i], tree)
 
 
 def _check_invariants(params0, out, faulty):
-  """What holds for every fault program."""
-  faulty = np.asarray(faulty)
-  state = out["state"]
-  n_applied = np.cumsum(~faulty)
+    """What holds for every fault program."""
+    faulty = np.asarray(faulty)
+    state = out["state"]
+    n_applied = np.cumsum(~faulty)
 
-  # Never non-finite: parameters and every leaf of the optimizer state.
-  assert out["finite"].all(), np.flatnonzero(~out["finite"])[:10]
-  # Exactly the faulty steps are skipped, and counted.
-  np.testing.assert_array_equal(state.last_step_skipped, faulty)
-  np.testing.assert_array_equal(state.skipped_steps, np.cumsum(faulty))
-  # Skipped steps change nothing, bit for bit; applied steps do move the parameters.
-  np.testing.assert_array_equal(out["unchanged"][faulty], True)
-  moved = [not np.array_equal(out["params"]["w1"][i],
-                              out["params"]["w1"][i - 1] if i else params0["w1"])
-           for i in np.flatnonzero(~faulty)]
-  assert all(moved)
-  # The scale follows the documented rule exactly.
-  scales, trackers = _reference_scales(faulty)
-  np.testing.assert_array_equal(state.scale, scales)
-  np.testing.assert_array_equal(state.growth_tracker, trackers)
-  # The schedule's step count (and adam's) advance on applied steps only, and
-  # the learning rate in force is the schedule's at that count.
-  inject_state = state.inner_state[2]
-  np.testing.assert_array_equal(inject_state.count, n_applied)
-  np.testing.assert_array_equal(inject_state.inner_state[0].count, n_applied)
-  want_lr = np.array([SCHEDULE(max(n - 1, 0)) for n in n_applied], np.float32)
-  np.testing.assert_allclose(inject_state.hyperparams["learning_rate"], want_lr, rtol=1e-6)
-  # The inner optimizer ran on every step, and never on a non-finite gradient.
-  assert len(_INNER_SAW_FINITE) == LENGTH and all(_INNER_SAW_FINITE)
+    # Never non-finite: parameters and every leaf of the optimizer state.
+    assert out["finite"].all(), np.flatnonzero(~out["finite"])[:10]
+    # Exactly the faulty steps are skipped, and counted.
+    np.testing.assert_array_equal(state.last_step_skipped, faulty)
+    np.testing.assert_array_equal(state.skipped_steps, np.cumsum(faulty))
+    # Skipped steps change nothing, bit for bit; applied steps do move the parameters.
+    np.testing.assert_array_equal(out["unchanged"][faulty], True)
+    moved = [
+        not np.array_equal(
+            out["params"]["w1"][i], out["params"]["w1"][i - 1] if i else params0["w1"]
+        )
+        for i in np.flatnonzero(~faulty)
+    ]
+    assert all(moved)
+    # The scale follows the documented rule exactly.
+    scales, trackers = _reference_scales(faulty)
+    np.testing.assert_array_equal(state.scale, scales)
+    np.testing.assert_array_equal(state.growth_tracker, trackers)
+    # The schedule's step count (and adam's) advance on applied steps only, and
+    # the learning rate in force is the schedule's at that count.
+    inject_state = state.inner_state[2]
+    np.testing.assert_array_equal(inject_state.count, n_applied)
+    np.testing.assert_array_equal(inject_state.inner_state[0].count, n_applied)
+    want_lr = np.array([SCHEDULE(max(n - 1, 0)) for n in n_applied], np.float32)
+    np.testing.assert_allclose(inject_state.hyperparams["learning_rate"], want_lr, rtol=1e-6)
+    # The inner optimizer ran on every step, and never on a non-finite gradient.
+    assert len(_INNER_SAW_FINITE) == LENGTH and all(_INNER_SAW_FINITE)
 
 
 def test_isolated_faults_of_every_kind():
-  kinds = list(FAULTS.values())
-  program = [kinds[(i // 5) % len(kinds)] if i % 5 == 4 else CLEAN for i in range(LENGTH)]
-  faulty = [p != CLEAN for p in program]
-  params0, out = _run_program(program)
-  _check_invariants(params0, out, faulty)
-  # Four clean steps, growth; one bad step, backoff: the scale stays in [2**10, 2**11].
-  assert set(out["state"].scale.tolist()) == {2.0**10, 2.0**11}
-  losses = out["loss"][4::5]  # the unscaled loss is what scaled_value_and_grad returns
-  assert len(losses) == 82
-  for j, loss in enumerate(losses):
-    name = list(FAULTS)[j % len(FAULTS)]
-    if name == "inf_loss":
-      assert loss == np.inf
-    elif name == "-inf_loss":
-      assert loss == -np.inf
-    elif name == "nan_in_batch":
-      assert np.isnan(loss)
-    else:  # the loss itself is finite; only the gradients are not
-      assert np.isfinite(loss)
+    kinds = list(FAULTS.values())
+    program = [kinds[(i // 5) % len(kinds)] if i % 5 == 4 else CLEAN for i in range(LENGTH)]
+    faulty = [p != CLEAN for p in program]
+    params0, out = _run_program(program)
+    _check_invariants(params0, out, faulty)
+    # Four clean steps, growth; one bad step, backoff: the scale stays in [2**10, 2**11].
+    assert set(out["state"].scale.tolist()) == {2.0**10, 2.0**11}
+    losses = out["loss"][4::5]  # the unscaled loss is what scaled_value_and_grad returns
+    assert len(losses) == 82
+    for j, loss in enumerate(losses):
+        name = list(FAULTS)[j % len(FAULTS)]
+        if name == "inf_loss":
+            assert loss == np.inf
+        elif name == "-inf_loss":
+            assert loss == -np.inf
+        elif name == "nan_in_batch":
+            assert np.isnan(loss)
+        else:  # the loss itself is finite; only the gradients are not
+            assert np.isfinite(loss)
 
 
 def test_overflow_storm_then_recovery_at_the_documented_rate():
-  warmup, storm = 10, 300
-  kinds = list(FAULTS.values())
-  program = ([CLEAN] * warmup + [kinds[i % len(kinds)] for i in range(storm)]
-             + [CLEAN] * (LENGTH - warmup - storm))
-  faulty = [p != CLEAN for p in program]
-  params0, out = _run_program(program)
-  _check_invariants(params0, out, faulty)
+    warmup, storm = 10, 300
+    kinds = list(FAULTS.values())
+    program = (
+        [CLEAN] * warmup
+        + [kinds[i % len(kinds)] for i in range(storm)]
+        + [CLEAN] * (LENGTH - warmup - storm)
+    )
+    faulty = [p != CLEAN for p in program]
+    params0, out = _run_program(program)
+    _check_invariants(params0, out, faulty)
 
-  scales = out["state"].scale
-  # Down to the floor in 24 halvings (2**10 -> 2**-14), and never below it.
-  first_bad = warmup
-  assert scales[first_bad - 1] == INIT_SCALE * 2.0**2  # grew twice during warm-up
-  np.testing.assert_array_equal(scales[first_bad:first_bad + 26],
-                                [2.0**(11 - i) for i in range(26)])
-  np.testing.assert_array_equal(scales[first_bad + 25:warmup + storm], MIN_SCALE)
-  # The whole storm changed nothing: state before it == state after it.
-  before, after = first_bad - 1, warmup + storm - 1
-  chex.assert_trees_all_equal(_step(out["params"], after), _step(out["params"], before))
-  chex.assert_trees_all_equal(_step(out["state"].inner_state, after),
-                              _step(out["state"].inner_state, before))
-  # Recovery: x2 after every growth_interval clean steps, from the floor.
-  n_clean = np.arange(1, LENGTH - warmup - storm + 1)
-  np.testing.assert_array_equal(scales[warmup + storm:],
-                                MIN_SCALE * 2.0**(n_clean // GROWTH_INTERVAL))
-  assert scales[-1] == 2.0**11  # 100 clean steps: 25 doublings from 2**-14
+    scales = out["state"].scale
+    # Down to the floor in 24 halvings (2**10 -> 2**-14), and never below it.
+    first_bad = warmup
+    assert scales[first_bad - 1] == INIT_SCALE * 2.0**2  # grew twice during warm-up
+    np.testing.assert_array_equal(
+        scales[first_bad : first_bad + 26], [2.0 ** (11 - i) for i in range(26)]
+    )
+    np.testing.assert_array_equal(scales[first_bad + 25 : warmup + storm], MIN_SCALE)
+    # The whole storm changed nothing: state before it == state after it.
+    before, after = first_bad - 1, warmup + storm - 1
+    chex.assert_trees_all_equal(_step(out["params"], after), _step(out["params"], before))
+    chex.assert_trees_all_equal(
+        _step(out["state"].inner_state, after), _step(out["state"].inner_state, before)
+    )
+    # Recovery: x2 after every growth_interval clean steps, from the floor.
+    n_clean = np.arange(1, LENGTH - warmup - storm + 1)
+    np.testing.assert_array_equal(
+        scales[warmup + storm :], MIN_SCALE * 2.0 ** (n_clean // GROWTH_INTERVAL)
+    )
+    assert scales[-1] == 2.0**11  # 100 clean steps: 25 doublings from 2**-14
 
 
 def test_nan_in_one_gradient_leaves_the_others_finite():
-  # The fault "nan_in_one_gradient" above really is confined to one leaf.
-  params, xs, ys = _init()
-  state = TX.init(params)
-  loss, grads = jax.jit(scaled_value_and_grad(_loss, state))(
-      params, xs[0], ys[0], 1.0, np.float32(np.nan))
-  assert np.isfinite(loss)
-  assert np.isnan(grads["b2"]).all()
-  assert all(np.isfinite(grads[k]).all() for k in ("w1", "b1", "w2"))
+    # The fault "nan_in_one_gradient" above really is confined to one leaf.
+    params, xs, ys = _init()
+    state = TX.init(params)
+    loss, grads = jax.jit(scaled_value_and_grad(_loss, state))(
+        params, xs[0], ys[0], 1.0, np.float32(np.nan)
+    )
+    assert np.isfinite(loss)
+    assert np.isnan(grads["b2"]).all()
+    assert all(np.isfinite(grads[k]).all() for k in ("w1", "b1", "w2"))
 
 
 # --------------------------------------------------------------------------
@@ -286,39 +306,42 @@ def test_nan_in_one_gradient_leaves_the_others_finite():
 
 
 def _nan_updates_when_told():
-  """An identity transform whose output is NaN when ``poison_updates=True``."""
+    """An identity transform whose output is NaN when ``poison_updates=True``."""
 
-  def update(updates, state, params=None, *, poison_updates=False):
-    del params
-    factor = jnp.where(poison_updates, jnp.nan, 1.0)
-    return jax.tree.map(lambda u: u * factor, updates), state
+    def update(updates, state, params=None, *, poison_updates=False):
+        del params
+        factor = jnp.where(poison_updates, jnp.nan, 1.0)
+        return jax.tree.map(lambda u: u * factor, updates), state
 
-  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
 def test_nan_update_from_the_inner_optimizer_is_skipped():
-  inner = optax.chain(optax.clip_by_global_norm(1.0), _nan_updates_when_told(),
-                      optax.inject_hyperparams(optax.adam)(learning_rate=SCHEDULE))
-  tx = grad_scaler(inner, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
-  params, xs, ys = _init()
+    inner = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        _nan_updates_when_told(),
+        optax.inject_hyperparams(optax.adam)(learning_rate=SCHEDULE),
+    )
+    tx = grad_scaler(inner, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+    params, xs, ys = _init()
 
-  @jax.jit
-  def step(params, state, x, y, poison):
-    _, grads = scaled_value_and_grad(_loss, state)(params, x, y, 1.0, 1.0)
-    updates, state = tx.update(grads, state, params, poison_updates=poison)
-    return optax.apply_updates(params, updates), state
+    @jax.jit
+    def step(params, state, x, y, poison):
+        _, grads = scaled_value_and_grad(_loss, state)(params, x, y, 1.0, 1.0)
+        updates, state = tx.update(grads, state, params, poison_updates=poison)
+        return optax.apply_updates(params, updates), state
 
-  state = tx.init(params)
-  for i in range(3):
-    params, state = step(params, state, xs[i], ys[i], jnp.array(False))
-  new_params, new_state = step(params, state, xs[3], ys[3], jnp.array(True))
-  # The demanding guarantee: parameters and optimizer state never become
-  # non-finite, whoever produced the NaN; the step is skipped exactly.
-  assert bool(_all_finite((new_params, new_state))), "a NaN update was applied"
-  chex.assert_trees_all_equal(new_params, params)
-  chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
-  assert bool(new_state.last_step_skipped) and int(new_state.skipped_steps) == 1
-  # ... and training goes on with the next clean step.
-  after, after_state = step(new_params, new_state, xs[0], ys[0], jnp.array(False))
-  assert not bool(after_state.last_step_skipped)
-  assert not np.array_equal(np.asarray(after["w1"]), np.asarray(params["w1"]))
+    state = tx.init(params)
+    for i in range(3):
+        params, state = step(params, state, xs[i], ys[i], jnp.array(False))
+    new_params, new_state = step(params, state, xs[3], ys[3], jnp.array(True))
+    # The demanding guarantee: parameters and optimizer state never become
+    # non-finite, whoever produced the NaN; the step is skipped exactly.
+    assert bool(_all_finite((new_params, new_state))), "a NaN update was applied"
+    chex.assert_trees_all_equal(new_params, params)
+    chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+    assert bool(new_state.last_step_skipped) and int(new_state.skipped_steps) == 1
+    # ... and training goes on with the next clean step.
+    after, after_state = step(new_params, new_state, xs[0], ys[0], jnp.array(False))
+    assert not bool(after_state.last_step_skipped)
+    assert not np.array_equal(np.asarray(after["w1"]), np.asarray(params["w1"]))

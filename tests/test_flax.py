@@ -23,8 +23,10 @@ import mpjax
 # activations whose matrix products ran in 16 bits; after N steps of momentum
 # 0.9 they agree with float32's to about the dtype's relative precision
 # (float16: 2**-11, bfloat16: 2**-8), times a few for accumulation.
-STAT_TOL = {np.dtype(jnp.float16): {"rtol": 1e-2, "atol": 1e-3},
-            np.dtype(jnp.bfloat16): {"rtol": 5e-2, "atol": 1e-2}}
+STAT_TOL = {
+    np.dtype(jnp.float16): {"rtol": 1e-2, "atol": 1e-3},
+    np.dtype(jnp.bfloat16): {"rtol": 5e-2, "atol": 1e-2},
+}
 N_STEPS = 5
 
 
@@ -65,7 +67,10 @@ def batches(n, batch=16, din=12, seed=0):
     key = jax.random.key(seed)
     for k in jax.random.split(key, n):
         kx, ky = jax.random.split(k)
-        yield 2.0 * jax.random.normal(kx, (batch, din)) + 1.0, jax.random.randint(ky, (batch,), 0, 5)
+        yield (
+            2.0 * jax.random.normal(kx, (batch, din)) + 1.0,
+            jax.random.randint(ky, (batch,), 0, 5),
+        )
 
 
 def forward(model, x):
@@ -94,7 +99,7 @@ def test_nnx_state_updates_kept_under_autocast(low):
         chex.assert_type(leaf, jnp.float32)
     # BatchNorm running statistics follow float32's.
     stats, expected_stats = nnx.state(model, nnx.BatchStat), nnx.state(reference, nnx.BatchStat)
-    assert not np.allclose(model.bn1.mean[...], 0.0)   # they did move
+    assert not np.allclose(model.bn1.mean[...], 0.0)  # they did move
     chex.assert_trees_all_close(stats, expected_stats, **STAT_TOL[np.dtype(low)])
     # RNG counters advanced once per call, as in float32 (the same masks were drawn).
     assert int(model.drop.rngs.count[...]) == N_STEPS
@@ -111,7 +116,7 @@ def test_nnx_dropout_masks_differ_between_steps(low):
     mask = mpjax.autocast(lambda m, x: m.drop(x) != 0, dtype=low)
     first, second = mask(model, x), mask(model, x)
     assert 0.2 < float(first.mean()) < 0.8
-    assert bool(jnp.any(first != second))              # the stream advanced
+    assert bool(jnp.any(first != second))  # the stream advanced
     # The same masks as float32 draws from an identically seeded model.
     reference = make_net()
     chex.assert_trees_all_equal(reference.drop(x) != 0, first)
@@ -122,7 +127,7 @@ def test_nnx_eval_mode_under_autocast_is_deterministic(low):
     model = make_net()
     fast = mpjax.autocast(forward, dtype=low)
     for x, _ in batches(2):
-        fast(model, x)                                 # some statistics to use
+        fast(model, x)  # some statistics to use
     model.eval()
     stats = jax.tree.map(jnp.copy, nnx.state(model, nnx.BatchStat))
     x = next(batches(1, seed=1))[0]
@@ -138,13 +143,17 @@ def make_train_step(loss):
     @nnx.jit
     def train_step(model, optimizer, x, y):
         value, grads = mpjax.scaled_value_and_grad(
-            loss, optimizer.opt_state, value_and_grad=nnx.value_and_grad)(model, x, y)
+            loss, optimizer.opt_state, value_and_grad=nnx.value_and_grad
+        )(model, x, y)
         optimizer.update(model, grads)
         return value
+
     return train_step
 
 
-@pytest.mark.parametrize("low, scaler", [(jnp.float16, "grad_scaler"), (jnp.bfloat16, "noop_scaler")])
+@pytest.mark.parametrize(
+    "low, scaler", [(jnp.float16, "grad_scaler"), (jnp.bfloat16, "noop_scaler")]
+)
 def test_nnx_optimizer_with_scaler_under_autocast(low, scaler):
     reference, model = make_net(), make_net()
     ref_opt = nnx.Optimizer(reference, mpjax.noop_scaler(optax.adam(1e-2)), wrt=nnx.Param)
@@ -170,12 +179,17 @@ def test_nnx_optimizer_with_scaler_under_autocast(low, scaler):
     # Adam's steps are near +-lr wherever a gradient is near 0, whatever its rounding,
     # so single entries may differ by a few lr: compare distances instead. The two
     # runs end closer to each other than a tenth of the way they travelled.
-    travelled = optax.tree.norm(jax.tree.map(jnp.subtract, nnx.state(reference, nnx.Param), initial))
+    travelled = optax.tree.norm(
+        jax.tree.map(jnp.subtract, nnx.state(reference, nnx.Param), initial)
+    )
     apart = optax.tree.norm(jax.tree.map(jnp.subtract, params, nnx.state(reference, nnx.Param)))
     assert float(apart) < 0.1 * float(travelled), (float(apart), float(travelled))
     # Forward-pass state through nnx.value_and_grad and nnx.jit: kept, as in float32.
-    chex.assert_trees_all_close(nnx.state(model, nnx.BatchStat),
-                                nnx.state(reference, nnx.BatchStat), **STAT_TOL[np.dtype(low)])
+    chex.assert_trees_all_close(
+        nnx.state(model, nnx.BatchStat),
+        nnx.state(reference, nnx.BatchStat),
+        **STAT_TOL[np.dtype(low)],
+    )
     assert int(model.drop.rngs.count[...]) == N_STEPS
     assert int(model.calls[...]) == N_STEPS
 
@@ -189,27 +203,34 @@ def test_nnx_whole_train_step_under_autocast():
 
     def train_step(model, optimizer, x, y):
         value, grads = mpjax.scaled_value_and_grad(
-            loss_fn, optimizer.opt_state, value_and_grad=nnx.value_and_grad)(model, x, y)
+            loss_fn, optimizer.opt_state, value_and_grad=nnx.value_and_grad
+        )(model, x, y)
         optimizer.update(model, grads)
         return value
 
     fast, slow = nnx.jit(mpjax.autocast(train_step)), nnx.jit(train_step)
     for x, y in batches(3):
-        np.testing.assert_allclose(fast(model, opt, x, y), slow(reference, ref_opt, x, y), rtol=5e-2)
-    assert dtypes(nnx.state(opt)) == before            # Adam's moments stay float32
+        np.testing.assert_allclose(
+            fast(model, opt, x, y), slow(reference, ref_opt, x, y), rtol=5e-2
+        )
+    assert dtypes(nnx.state(opt)) == before  # Adam's moments stay float32
     assert int(opt.step[...]) == 3 and int(model.calls[...]) == 3
     assert int(nnx.as_pure(opt.opt_state).inner_state[0].count) == 3
     assert int(mpjax.scaler_stats(opt)["growth_tracker"]) == 3
-    chex.assert_trees_all_close(nnx.state(model, nnx.BatchStat),
-                                nnx.state(reference, nnx.BatchStat), **STAT_TOL[np.dtype(jnp.float16)])
+    chex.assert_trees_all_close(
+        nnx.state(model, nnx.BatchStat),
+        nnx.state(reference, nnx.BatchStat),
+        **STAT_TOL[np.dtype(jnp.float16)],
+    )
 
 
 def test_nnx_optimizer_skips_float16_overflow_exactly():
     """A scale too large for float16's backward pass: steps are skipped, the scale
     backs off, parameters and Adam's moments stay as they were, until it fits."""
     model = make_net()
-    opt = nnx.Optimizer(model, mpjax.grad_scaler(optax.adam(1e-2), init_scale=2.0**40),
-                        wrt=nnx.Param)
+    opt = nnx.Optimizer(
+        model, mpjax.grad_scaler(optax.adam(1e-2), init_scale=2.0**40), wrt=nnx.Param
+    )
     step = make_train_step(mpjax.autocast(loss_fn))
     initial = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
     data = list(batches(1)) * 40
@@ -231,7 +252,9 @@ def test_nnx_optimizer_skips_float16_overflow_exactly():
     assert 1 < skipped < 40 and float(stats["scale"]) == 2.0 ** (40 - skipped)
     assert int(nnx.as_pure(opt.opt_state).inner_state[0].count) == 40 - skipped
     for leaf in jax.tree.leaves(nnx.state(model)):
-        assert bool(jnp.all(jnp.isfinite(leaf))) if jnp.issubdtype(leaf.dtype, jnp.floating) else True
+        assert (
+            bool(jnp.all(jnp.isfinite(leaf))) if jnp.issubdtype(leaf.dtype, jnp.floating) else True
+        )
 
 
 # --------------------------------------------------------------------------
@@ -261,10 +284,12 @@ def test_linen_batch_stats_come_back_at_original_dtypes(low):
     model, variables, x = linen_setup()
     rngs = {"dropout": jax.random.key(2)}
     expected, expected_updates = jax.jit(
-        lambda v, x: model.apply(v, x, rngs=rngs, mutable=["batch_stats"]))(variables, x)
+        lambda v, x: model.apply(v, x, rngs=rngs, mutable=["batch_stats"])
+    )(variables, x)
     fast = mpjax.autocast(model.apply, dtype=low)
     out, updates = jax.jit(lambda v, x: fast(v, x, rngs=rngs, mutable=["batch_stats"]))(
-        variables, x)
+        variables, x
+    )
     chex.assert_type(out, jnp.float32)
     chex.assert_trees_all_equal_dtypes(updates, expected_updates)
     chex.assert_trees_all_equal_dtypes(updates["batch_stats"], variables["batch_stats"])
@@ -280,12 +305,16 @@ def test_linen_matmuls_run_in_low_dtype(low):
     model, variables, x = linen_setup()
     fast = mpjax.autocast(model.apply, dtype=low)
     jaxpr = jax.make_jaxpr(
-        lambda v, x: fast(v, x, rngs={"dropout": jax.random.key(2)}, mutable=["batch_stats"]))(
-            variables, x)
-    products = [e for e in all_eqns(jaxpr)
-                if e.primitive.name in ("dot_general", "conv_general_dilated")]
+        lambda v, x: fast(v, x, rngs={"dropout": jax.random.key(2)}, mutable=["batch_stats"])
+    )(variables, x)
+    products = [
+        e for e in all_eqns(jaxpr) if e.primitive.name in ("dot_general", "conv_general_dilated")
+    ]
     assert sorted(e.primitive.name for e in products) == [
-        "conv_general_dilated", "conv_general_dilated", "dot_general"]
+        "conv_general_dilated",
+        "conv_general_dilated",
+        "dot_general",
+    ]
     for eqn in products:
         assert {np.dtype(v.aval.dtype) for v in eqn.invars} == {np.dtype(low)}, eqn
         assert {np.dtype(v.aval.dtype) for v in eqn.outvars} == {np.dtype(low)}, eqn
@@ -302,15 +331,20 @@ def test_linen_training_with_batch_stats_and_scaler():
     opt_state = tx.init(params)
 
     def loss_fn(params, batch_stats, x, y, key):
-        logits, updates = apply({"params": params, "batch_stats": batch_stats}, x,
-                                rngs={"dropout": key}, mutable=["batch_stats"])
+        logits, updates = apply(
+            {"params": params, "batch_stats": batch_stats},
+            x,
+            rngs={"dropout": key},
+            mutable=["batch_stats"],
+        )
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
         return loss, updates["batch_stats"]
 
     @jax.jit
     def step(params, batch_stats, opt_state, key):
-        (loss, batch_stats), grads = mpjax.scaled_value_and_grad(
-            loss_fn, opt_state, has_aux=True)(params, batch_stats, x, y, key)
+        (loss, batch_stats), grads = mpjax.scaled_value_and_grad(loss_fn, opt_state, has_aux=True)(
+            params, batch_stats, x, y, key
+        )
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), batch_stats, opt_state, loss
 

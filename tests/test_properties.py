@@ -46,7 +46,7 @@ OPS = {
     "square": (1, jnp.square),
     "softmax": (1, lambda a: jax.nn.softmax(a, axis=-1)),
     "logsumexp": (1, lambda a: jax.nn.logsumexp(a, axis=-1, keepdims=True) + 0 * a),
-    "mean_center": (1, lambda a: a - jnp.mean(a, axis=0)),     # broadcasting
+    "mean_center": (1, lambda a: a - jnp.mean(a, axis=0)),  # broadcasting
     "normalize": (1, lambda a: jax.nn.standardize(a, axis=-1, epsilon=1e-3)),
     "relu": (1, jax.nn.relu),
     "softplus": (1, jax.nn.softplus),
@@ -61,7 +61,9 @@ OPS = {
 
 program = st.lists(
     st.tuples(st.sampled_from(sorted(OPS)), st.integers(0, 63), st.integers(0, 63)),
-    min_size=1, max_size=8)
+    min_size=1,
+    max_size=8,
+)
 
 
 def _run(prog, *inputs):
@@ -82,8 +84,7 @@ def _tolerance(low, n_ops):
     return 3 * (n_ops + 2) * float(jnp.finfo(low).eps)
 
 
-SETTINGS = settings(max_examples=200, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @SETTINGS

@@ -33,8 +33,8 @@ PARAMS = {"a": jnp.ones(3), "b": jnp.zeros((2, 2))}
 
 
 def test_docstring_examples_run():
-  results = doctest.testmod(mpjax.scaler, optionflags=doctest.ELLIPSIS)
-  assert results.attempted >= 20 and results.failed == 0
+    results = doctest.testmod(mpjax.scaler, optionflags=doctest.ELLIPSIS)
+    assert results.attempted >= 20 and results.failed == 0
 
 
 # --------------------------------------------------------------------------
@@ -42,118 +42,136 @@ def test_docstring_examples_run():
 
 
 def _wrapped_optimizers():
-  scaled = grad_scaler(optax.adam(1e-3), init_scale=2.0**8)
-  return {
-      "bare": scaled,
-      "chain": optax.chain(optax.clip(1.0), scaled, optax.scale(1.0)),
-      "multi_steps": optax.MultiSteps(scaled, every_k_schedule=2),
-      "inject_hyperparams": optax.inject_hyperparams(
-          lambda learning_rate: grad_scaler(optax.sgd(learning_rate), init_scale=2.0**8)
-      )(learning_rate=0.1),
-      "multi_transform": optax.multi_transform(
-          {"s": scaled, "n": optax.set_to_zero()}, {"a": "s", "b": "n"}),
-      "chain_in_multi_steps": optax.MultiSteps(
-          optax.chain(optax.identity(), scaled), every_k_schedule=3),
-  }
+    scaled = grad_scaler(optax.adam(1e-3), init_scale=2.0**8)
+    return {
+        "bare": scaled,
+        "chain": optax.chain(optax.clip(1.0), scaled, optax.scale(1.0)),
+        "multi_steps": optax.MultiSteps(scaled, every_k_schedule=2),
+        "inject_hyperparams": optax.inject_hyperparams(
+            lambda learning_rate: grad_scaler(optax.sgd(learning_rate), init_scale=2.0**8)
+        )(learning_rate=0.1),
+        "multi_transform": optax.multi_transform(
+            {"s": scaled, "n": optax.set_to_zero()}, {"a": "s", "b": "n"}
+        ),
+        "chain_in_multi_steps": optax.MultiSteps(
+            optax.chain(optax.identity(), scaled), every_k_schedule=3
+        ),
+    }
 
 
 @pytest.mark.parametrize("kind", list(_wrapped_optimizers()))
 def test_helpers_find_the_state(kind):
-  tx = _wrapped_optimizers()[kind]
-  state = tx.init(PARAMS)
-  assert float(get_scale(state)) == 2.0**8
-  chex.assert_trees_all_equal(scale_loss(jnp.float32(3.0), state), jnp.float32(768.0))
+    tx = _wrapped_optimizers()[kind]
+    state = tx.init(PARAMS)
+    assert float(get_scale(state)) == 2.0**8
+    chex.assert_trees_all_equal(scale_loss(jnp.float32(3.0), state), jnp.float32(768.0))
 
-  new = set_scale(state, 32.0)
-  chex.assert_trees_all_equal_structs(new, state)
-  assert float(get_scale(new)) == 32.0 and float(get_scale(state)) == 2.0**8
-  stats = scaler_stats(new)
-  assert float(stats["scale"]) == 32.0 and int(stats["growth_tracker"]) == 0
-  # Everything but the scale is untouched.
-  chex.assert_trees_all_equal(set_scale(new, 2.0**8), state)
+    new = set_scale(state, 32.0)
+    chex.assert_trees_all_equal_structs(new, state)
+    assert float(get_scale(new)) == 32.0 and float(get_scale(state)) == 2.0**8
+    stats = scaler_stats(new)
+    assert float(stats["scale"]) == 32.0 and int(stats["growth_tracker"]) == 0
+    # Everything but the scale is untouched.
+    chex.assert_trees_all_equal(set_scale(new, 2.0**8), state)
 
-  loss, grads = scaled_value_and_grad(lambda p: jnp.sum(p["a"] ** 2), new)(PARAMS)
-  chex.assert_trees_all_equal(loss, jnp.float32(3.0))
-  chex.assert_trees_all_equal(grads["a"], jnp.full(3, 64.0))
-  # The update still runs after set_scale, under jit.
-  jax.jit(tx.update)(grads, new, PARAMS)
+    loss, grads = scaled_value_and_grad(lambda p: jnp.sum(p["a"] ** 2), new)(PARAMS)
+    chex.assert_trees_all_equal(loss, jnp.float32(3.0))
+    chex.assert_trees_all_equal(grads["a"], jnp.full(3, 64.0))
+    # The update still runs after set_scale, under jit.
+    jax.jit(tx.update)(grads, new, PARAMS)
 
 
 def test_set_scale_keeps_the_tracker_and_works_under_jit():
-  tx = grad_scaler(optax.sgd(0.1), growth_interval=10)
-  state = tx.init(PARAMS)
-  grads = jax.tree.map(jnp.ones_like, PARAMS)
-  for _ in range(3):
-    _, state = tx.update(grads, state, PARAMS)
-  state = jax.jit(set_scale)(state, jnp.float32(3.0))
-  assert int(state.growth_tracker) == 3 and float(state.scale) == 3.0
+    tx = grad_scaler(optax.sgd(0.1), growth_interval=10)
+    state = tx.init(PARAMS)
+    grads = jax.tree.map(jnp.ones_like, PARAMS)
+    for _ in range(3):
+        _, state = tx.update(grads, state, PARAMS)
+    state = jax.jit(set_scale)(state, jnp.float32(3.0))
+    assert int(state.growth_tracker) == 3 and float(state.scale) == 3.0
 
 
 def test_scaled_value_and_grad_with_aux_and_argnums():
-  state = grad_scaler(optax.sgd(0.1), init_scale=4.0).init(PARAMS)
+    state = grad_scaler(optax.sgd(0.1), init_scale=4.0).init(PARAMS)
 
-  def loss_fn(x, p):
-    return jnp.sum(p["a"] * x), {"n": jnp.float32(7.0)}
+    def loss_fn(x, p):
+        return jnp.sum(p["a"] * x), {"n": jnp.float32(7.0)}
 
-  (loss, aux), grads = scaled_value_and_grad(loss_fn, state, argnums=(0, 1), has_aux=True)(
-      jnp.float32(2.0), PARAMS)
-  assert float(loss) == 6.0 and float(aux["n"]) == 7.0
-  chex.assert_trees_all_equal(grads[0], jnp.float32(12.0))
-  chex.assert_trees_all_equal(grads[1]["a"], jnp.full(3, 8.0))
+    (loss, aux), grads = scaled_value_and_grad(loss_fn, state, argnums=(0, 1), has_aux=True)(
+        jnp.float32(2.0), PARAMS
+    )
+    assert float(loss) == 6.0 and float(aux["n"]) == 7.0
+    chex.assert_trees_all_equal(grads[0], jnp.float32(12.0))
+    chex.assert_trees_all_equal(grads[1]["a"], jnp.full(3, 8.0))
 
 
 def test_scale_loss_is_float32_for_float16_losses():
-  state = grad_scaler(optax.sgd(0.1)).init(PARAMS)  # 65536 > float16 max
-  scaled = scale_loss(jnp.float16(2.0), state)
-  chex.assert_type(scaled, jnp.float32)
-  assert float(scaled) == 131072.0
+    state = grad_scaler(optax.sgd(0.1)).init(PARAMS)  # 65536 > float16 max
+    scaled = scale_loss(jnp.float16(2.0), state)
+    chex.assert_type(scaled, jnp.float32)
+    assert float(scaled) == 131072.0
 
 
 def test_no_scaler_state_is_a_clear_error():
-  state = optax.adam(1e-3).init(PARAMS)
-  for helper in [get_scale, scaler_stats, lambda s: set_scale(s, 2.0),
-                 lambda s: scale_loss(1.0, s),
-                 lambda s: scaled_value_and_grad(lambda x: x, s)]:
-    with pytest.raises(ValueError, match=r"no GradScalerState found in `opt_state`.*grad_scaler"):
-      helper(state)
+    state = optax.adam(1e-3).init(PARAMS)
+    for helper in [
+        get_scale,
+        scaler_stats,
+        lambda s: set_scale(s, 2.0),
+        lambda s: scale_loss(1.0, s),
+        lambda s: scaled_value_and_grad(lambda x: x, s),
+    ]:
+        with pytest.raises(
+            ValueError, match=r"no GradScalerState found in `opt_state`.*grad_scaler"
+        ):
+            helper(state)
 
 
-@pytest.mark.parametrize("tx", [
-    optax.chain(grad_scaler(optax.sgd(0.1)), grad_scaler(optax.sgd(0.1))),
-    optax.multi_transform({"s": grad_scaler(optax.sgd(0.1)), "t": grad_scaler(optax.sgd(0.1))},
-                          {"a": "s", "b": "t"}),
-    grad_scaler(grad_scaler(optax.sgd(0.1))),  # nested: would unscale twice
-], ids=["chain", "multi_transform", "nested"])
+@pytest.mark.parametrize(
+    "tx",
+    [
+        optax.chain(grad_scaler(optax.sgd(0.1)), grad_scaler(optax.sgd(0.1))),
+        optax.multi_transform(
+            {"s": grad_scaler(optax.sgd(0.1)), "t": grad_scaler(optax.sgd(0.1))},
+            {"a": "s", "b": "t"},
+        ),
+        grad_scaler(grad_scaler(optax.sgd(0.1))),  # nested: would unscale twice
+    ],
+    ids=["chain", "multi_transform", "nested"],
+)
 def test_two_scaler_states_are_a_clear_error(tx):
-  state = tx.init(PARAMS)
-  with pytest.raises(ValueError, match=r"found 2 GradScalerStates in `opt_state` \(at .*\)"):
-    get_scale(state)
-  with pytest.raises(ValueError, match="single grad_scaler"):
-    set_scale(state, 2.0)
+    state = tx.init(PARAMS)
+    with pytest.raises(ValueError, match=r"found 2 GradScalerStates in `opt_state` \(at .*\)"):
+        get_scale(state)
+    with pytest.raises(ValueError, match="single grad_scaler"):
+        set_scale(state, 2.0)
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), float("nan"), 1e-40])
 def test_set_scale_refuses_bad_values(value):
-  state = grad_scaler(optax.sgd(0.1)).init(PARAMS)
-  with pytest.raises(ValueError, match="new_scale"):
-    set_scale(state, value)
+    state = grad_scaler(optax.sgd(0.1)).init(PARAMS)
+    with pytest.raises(ValueError, match="new_scale"):
+        set_scale(state, value)
 
 
 def test_extra_args_reach_inner():
-  def times(factor):  # an inner transform that needs an extra argument
-    return optax.GradientTransformationExtraArgs(
-        lambda params: optax.EmptyState(),
-        lambda updates, state, params=None, *, factor=factor: (
-            jax.tree.map(lambda u: u * factor, updates), state))
+    def times(factor):  # an inner transform that needs an extra argument
+        return optax.GradientTransformationExtraArgs(
+            lambda params: optax.EmptyState(),
+            lambda updates, state, params=None, *, factor=factor: (
+                jax.tree.map(lambda u: u * factor, updates),
+                state,
+            ),
+        )
 
-  tx = grad_scaler(optax.chain(times(1.0), optax.sgd(1.0)), init_scale=4.0)
-  state = tx.init(jnp.zeros(2))
-  updates, _ = jax.jit(tx.update)(jnp.array([4.0, 8.0]), state, None, factor=3.0)
-  chex.assert_trees_all_equal(updates, jnp.array([-3.0, -6.0]))
-  # A plain GradientTransformation is wrapped and ignores them.
-  plain = grad_scaler(optax.sgd(1.0), init_scale=4.0)
-  updates, _ = plain.update(jnp.array([4.0]), plain.init(jnp.zeros(1)), None, factor=3.0)
-  chex.assert_trees_all_equal(updates, jnp.array([-1.0]))
+    tx = grad_scaler(optax.chain(times(1.0), optax.sgd(1.0)), init_scale=4.0)
+    state = tx.init(jnp.zeros(2))
+    updates, _ = jax.jit(tx.update)(jnp.array([4.0, 8.0]), state, None, factor=3.0)
+    chex.assert_trees_all_equal(updates, jnp.array([-3.0, -6.0]))
+    # A plain GradientTransformation is wrapped and ignores them.
+    plain = grad_scaler(optax.sgd(1.0), init_scale=4.0)
+    updates, _ = plain.update(jnp.array([4.0]), plain.init(jnp.zeros(1)), None, factor=3.0)
+    chex.assert_trees_all_equal(updates, jnp.array([-1.0]))
 
 
 # --------------------------------------------------------------------------
@@ -161,52 +179,53 @@ def test_extra_args_reach_inner():
 
 
 class _Linear(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(3, 2, rngs=rngs)
 
-  def __init__(self, rngs):
-    self.linear = nnx.Linear(3, 2, rngs=rngs)
-
-  def __call__(self, x):
-    return self.linear(x)
+    def __call__(self, x):
+        return self.linear(x)
 
 
 def test_nnx_optimizer():
-  model = _Linear(nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, grad_scaler(optax.adam(1e-3), init_scale=2.0**10,
-                                               growth_interval=2), wrt=nnx.Param)
-  # The state is stored as nnx Variables inside the GradScalerState.
-  assert float(get_scale(optimizer.opt_state)) == 2.0**10
-  assert float(get_scale(optimizer)) == 2.0**10
+    model = _Linear(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(
+        model, grad_scaler(optax.adam(1e-3), init_scale=2.0**10, growth_interval=2), wrt=nnx.Param
+    )
+    # The state is stored as nnx Variables inside the GradScalerState.
+    assert float(get_scale(optimizer.opt_state)) == 2.0**10
+    assert float(get_scale(optimizer)) == 2.0**10
 
-  def loss_fn(model, x, y):
-    return jnp.mean((model(x) - y) ** 2)
+    def loss_fn(model, x, y):
+        return jnp.mean((model(x) - y) ** 2)
 
-  @nnx.jit
-  def train_step(model, optimizer, x, y):
-    loss, grads = scaled_value_and_grad(
-        loss_fn, optimizer.opt_state, value_and_grad=nnx.value_and_grad)(model, x, y)
-    optimizer.update(model, grads)
-    return loss
+    @nnx.jit
+    def train_step(model, optimizer, x, y):
+        loss, grads = scaled_value_and_grad(
+            loss_fn, optimizer.opt_state, value_and_grad=nnx.value_and_grad
+        )(model, x, y)
+        optimizer.update(model, grads)
+        return loss
 
-  x, y = jnp.ones((4, 3)), jnp.zeros((4, 2))
-  expected_loss = loss_fn(model, x, y)
-  loss = train_step(model, optimizer, x, y)
-  assert float(loss) == float(expected_loss)  # the unscaled loss
-  assert int(scaler_stats(optimizer.opt_state)["growth_tracker"]) == 1
+    x, y = jnp.ones((4, 3)), jnp.zeros((4, 2))
+    expected_loss = loss_fn(model, x, y)
+    loss = train_step(model, optimizer, x, y)
+    assert float(loss) == float(expected_loss)  # the unscaled loss
+    assert int(scaler_stats(optimizer.opt_state)["growth_tracker"]) == 1
 
-  before_params = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
-  before_inner = jax.tree.map(jnp.copy, nnx.as_pure(optimizer.opt_state).inner_state)
-  train_step(model, optimizer, x.at[0, 0].set(jnp.inf), y)
-  chex.assert_trees_all_equal(nnx.state(model, nnx.Param), before_params)
-  chex.assert_trees_all_equal(nnx.as_pure(optimizer.opt_state).inner_state, before_inner)
-  stats = scaler_stats(optimizer.opt_state)
-  assert bool(stats["last_step_skipped"]) and float(stats["scale"]) == 2.0**9
+    before_params = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
+    before_inner = jax.tree.map(jnp.copy, nnx.as_pure(optimizer.opt_state).inner_state)
+    train_step(model, optimizer, x.at[0, 0].set(jnp.inf), y)
+    chex.assert_trees_all_equal(nnx.state(model, nnx.Param), before_params)
+    chex.assert_trees_all_equal(nnx.as_pure(optimizer.opt_state).inner_state, before_inner)
+    stats = scaler_stats(optimizer.opt_state)
+    assert bool(stats["last_step_skipped"]) and float(stats["scale"]) == 2.0**9
 
-  optimizer.opt_state = set_scale(optimizer.opt_state, 8.0)
-  assert float(get_scale(optimizer.opt_state)) == 8.0
-  train_step(model, optimizer, x, y)
-  assert float(get_scale(optimizer)) == 8.0
-  assert not bool(scaler_stats(optimizer)["last_step_skipped"])
-  assert int(nnx.as_pure(optimizer.opt_state).inner_state[0].count) == 2
+    optimizer.opt_state = set_scale(optimizer.opt_state, 8.0)
+    assert float(get_scale(optimizer.opt_state)) == 8.0
+    train_step(model, optimizer, x, y)
+    assert float(get_scale(optimizer)) == 8.0
+    assert not bool(scaler_stats(optimizer)["last_step_skipped"])
+    assert int(nnx.as_pure(optimizer.opt_state).inner_state[0].count) == 2
 
 
 # --------------------------------------------------------------------------
@@ -214,83 +233,93 @@ def test_nnx_optimizer():
 
 
 def test_accumulation_skips_the_effective_batch_with_an_inf():
-  tx = grad_scaler(optax.sgd(1.0), init_scale=2.0**4, growth_interval=1,
-                   accumulation_steps=3)
-  update = jax.jit(tx.update)
-  params = jnp.zeros(2)
-  state = tx.init(params)
-  micro_batches = [[16.0, 32.0], [jnp.inf, 16.0], [16.0, 16.0],  # skipped
-                   [16.0, 32.0], [-48.0, 16.0], [32.0, 64.0],  # applied
-                   [32.0, 32.0], [0.0, 32.0], [jnp.nan, 32.0]]  # skipped
-  scales, skipped, all_updates = [], [], []
-  for grads in micro_batches:
-    updates, state = update(jnp.array(grads), state, params)
-    scales.append(float(state.scale))
-    skipped.append(int(state.skipped_steps))
-    all_updates.append(np.asarray(updates))
-    assert int(state.micro_step) == len(scales) % 3
-  # The scale changes only at the end of an effective batch.
-  assert scales == [16.0, 16.0, 8.0, 8.0, 8.0, 16.0, 16.0, 16.0, 8.0]
-  assert skipped == [0, 0, 1, 1, 1, 1, 1, 1, 2]
-  expected = np.zeros((9, 2), np.float32)
-  # The float32 sum of the three, times float32(1 / 3), unscaled by 1 / 8.
-  expected[5] = -(np.float32([16 - 48 + 32, 32 + 16 + 64]) * np.float32(1 / 3)) / 8
-  np.testing.assert_array_equal(np.stack(all_updates), expected)
-  assert bool(state.last_step_skipped)
-  # The accumulator was reset by selection: no NaN left behind.
-  chex.assert_trees_all_equal(state.grad_accumulator, jnp.zeros(2))
-  updates, state = update(jnp.array([8.0, 8.0]), state, params)
-  updates, state = update(jnp.array([8.0, 8.0]), state, params)
-  updates, state = update(jnp.array([8.0, 8.0]), state, params)
-  chex.assert_trees_all_equal(updates, jnp.array([-1.0, -1.0]))
+    tx = grad_scaler(optax.sgd(1.0), init_scale=2.0**4, growth_interval=1, accumulation_steps=3)
+    update = jax.jit(tx.update)
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    micro_batches = [
+        [16.0, 32.0],
+        [jnp.inf, 16.0],
+        [16.0, 16.0],  # skipped
+        [16.0, 32.0],
+        [-48.0, 16.0],
+        [32.0, 64.0],  # applied
+        [32.0, 32.0],
+        [0.0, 32.0],
+        [jnp.nan, 32.0],
+    ]  # skipped
+    scales, skipped, all_updates = [], [], []
+    for grads in micro_batches:
+        updates, state = update(jnp.array(grads), state, params)
+        scales.append(float(state.scale))
+        skipped.append(int(state.skipped_steps))
+        all_updates.append(np.asarray(updates))
+        assert int(state.micro_step) == len(scales) % 3
+    # The scale changes only at the end of an effective batch.
+    assert scales == [16.0, 16.0, 8.0, 8.0, 8.0, 16.0, 16.0, 16.0, 8.0]
+    assert skipped == [0, 0, 1, 1, 1, 1, 1, 1, 2]
+    expected = np.zeros((9, 2), np.float32)
+    # The float32 sum of the three, times float32(1 / 3), unscaled by 1 / 8.
+    expected[5] = -(np.float32([16 - 48 + 32, 32 + 16 + 64]) * np.float32(1 / 3)) / 8
+    np.testing.assert_array_equal(np.stack(all_updates), expected)
+    assert bool(state.last_step_skipped)
+    # The accumulator was reset by selection: no NaN left behind.
+    chex.assert_trees_all_equal(state.grad_accumulator, jnp.zeros(2))
+    updates, state = update(jnp.array([8.0, 8.0]), state, params)
+    updates, state = update(jnp.array([8.0, 8.0]), state, params)
+    updates, state = update(jnp.array([8.0, 8.0]), state, params)
+    chex.assert_trees_all_equal(updates, jnp.array([-1.0, -1.0]))
 
 
 def test_accumulation_matches_one_big_batch_and_leaves_inner_alone_in_between():
-  inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
-  acc = grad_scaler(inner, init_scale=2.0**6, accumulation_steps=4)
-  one = grad_scaler(inner, init_scale=2.0**6)
-  params = {"w": jnp.linspace(0.0, 1.0, 5), "h": jnp.ones(2, jnp.bfloat16)}
-  acc_state, one_state = acc.init(params), one.init(params)
-  assert acc_state.grad_accumulator["h"].dtype == jnp.float32  # float32 sums
-  rng = np.random.default_rng(4)
-  micro = [jax.tree.map(lambda p: jnp.asarray(rng.integers(-8, 8, p.shape) * 4.0, p.dtype),
-                        params) for _ in range(4)]
-  update = jax.jit(acc.update)
-  for i, grads in enumerate(micro):
-    before = acc_state
-    updates, acc_state = update(grads, acc_state, params)
-    if i < 3:
-      chex.assert_trees_all_equal(acc_state.inner_state, before.inner_state)
-      chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, updates))
-  # Multiples of 4 below 32: their means are exact in every dtype here.
-  mean = jax.tree.map(lambda *g: (sum(x.astype(jnp.float32) for x in g) / 4).astype(g[0].dtype),
-                      *micro)
-  want, one_state = jax.jit(one.update)(mean, one_state, params)
-  chex.assert_trees_all_equal(updates, want)
-  chex.assert_trees_all_equal(acc_state.inner_state, one_state.inner_state)
-  chex.assert_trees_all_equal_dtypes(updates, want)
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    acc = grad_scaler(inner, init_scale=2.0**6, accumulation_steps=4)
+    one = grad_scaler(inner, init_scale=2.0**6)
+    params = {"w": jnp.linspace(0.0, 1.0, 5), "h": jnp.ones(2, jnp.bfloat16)}
+    acc_state, one_state = acc.init(params), one.init(params)
+    assert acc_state.grad_accumulator["h"].dtype == jnp.float32  # float32 sums
+    rng = np.random.default_rng(4)
+    micro = [
+        jax.tree.map(lambda p: jnp.asarray(rng.integers(-8, 8, p.shape) * 4.0, p.dtype), params)
+        for _ in range(4)
+    ]
+    update = jax.jit(acc.update)
+    for i, grads in enumerate(micro):
+        before = acc_state
+        updates, acc_state = update(grads, acc_state, params)
+        if i < 3:
+            chex.assert_trees_all_equal(acc_state.inner_state, before.inner_state)
+            chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, updates))
+    # Multiples of 4 below 32: their means are exact in every dtype here.
+    mean = jax.tree.map(
+        lambda *g: (sum(x.astype(jnp.float32) for x in g) / 4).astype(g[0].dtype), *micro
+    )
+    want, one_state = jax.jit(one.update)(mean, one_state, params)
+    chex.assert_trees_all_equal(updates, want)
+    chex.assert_trees_all_equal(acc_state.inner_state, one_state.inner_state)
+    chex.assert_trees_all_equal_dtypes(updates, want)
 
 
 def test_multi_steps_pitfall_is_avoided():
-  # The same schedule as optax.MultiSteps(grad_scaler(...), 2): an inf in the
-  # first effective batch must not leak into the later ones.
-  tx = grad_scaler(optax.sgd(1.0), init_scale=1.0, accumulation_steps=2)
-  params, state = jnp.zeros(2), tx.init(jnp.zeros(2))
-  skipped = []
-  for g in [1.0, jnp.inf, 1.0, 1.0, 1.0, 1.0]:
-    updates, state = tx.update(jnp.array([g, 1.0]), state, params)
-    skipped.append(int(state.skipped_steps))
-  assert skipped == [0, 1, 1, 1, 1, 1]
-  chex.assert_trees_all_equal(updates, jnp.array([-2.0, -2.0]))  # 1 / scale 0.5
+    # The same schedule as optax.MultiSteps(grad_scaler(...), 2): an inf in the
+    # first effective batch must not leak into the later ones.
+    tx = grad_scaler(optax.sgd(1.0), init_scale=1.0, accumulation_steps=2)
+    params, state = jnp.zeros(2), tx.init(jnp.zeros(2))
+    skipped = []
+    for g in [1.0, jnp.inf, 1.0, 1.0, 1.0, 1.0]:
+        updates, state = tx.update(jnp.array([g, 1.0]), state, params)
+        skipped.append(int(state.skipped_steps))
+    assert skipped == [0, 1, 1, 1, 1, 1]
+    chex.assert_trees_all_equal(updates, jnp.array([-2.0, -2.0]))  # 1 / scale 0.5
 
 
 def test_accumulation_with_enabled_false_still_averages():
-  tx = grad_scaler(optax.sgd(1.0), enabled=False, accumulation_steps=2)
-  params, state = jnp.zeros(1), tx.init(jnp.zeros(1))
-  u1, state = tx.update(jnp.array([1.0]), state, params)
-  u2, state = tx.update(jnp.array([jnp.inf]), state, params)
-  chex.assert_trees_all_equal(u1, jnp.zeros(1))
-  chex.assert_trees_all_equal(u2, jnp.array([-jnp.inf]))  # no checks when disabled
+    tx = grad_scaler(optax.sgd(1.0), enabled=False, accumulation_steps=2)
+    params, state = jnp.zeros(1), tx.init(jnp.zeros(1))
+    u1, state = tx.update(jnp.array([1.0]), state, params)
+    u2, state = tx.update(jnp.array([jnp.inf]), state, params)
+    chex.assert_trees_all_equal(u1, jnp.zeros(1))
+    chex.assert_trees_all_equal(u2, jnp.array([-jnp.inf]))  # no checks when disabled
 
 
 # --------------------------------------------------------------------------
@@ -298,34 +327,43 @@ def test_accumulation_with_enabled_false_still_averages():
 
 
 def _state_specs(state):
-  return jax.tree.map(lambda x: P("d") if jnp.ndim(x) else P(), state)
+    return jax.tree.map(lambda x: P("d") if jnp.ndim(x) else P(), state)
 
 
 @pytest.mark.parametrize("accumulation_steps", [1, 2])
 def test_axis_name_inside_shard_map(accumulation_steps):
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
-  tx = grad_scaler(optax.sgd(1.0, momentum=0.5), init_scale=4.0, axis_name="d",
-                   accumulation_steps=accumulation_steps)
-  params = jnp.arange(4.0)
-  state = tx.init(params)
-  specs = _state_specs(state)
-  step = jax.jit(jax.shard_map(
-      lambda g, s, p: tx.update(g, s, p), mesh=mesh,
-      in_specs=(P("d"), specs, P("d")), out_specs=(P("d"), specs)))
-  for _ in range(accumulation_steps):
-    updates, state = step(jnp.full(4, 4.0), state, params)
-  chex.assert_trees_all_equal(updates, -jnp.ones(4))
-  before = state
-  for _ in range(accumulation_steps):
-    updates, state = step(jnp.array([4.0, jnp.nan, 4.0, 4.0]), state, params)
-  chex.assert_trees_all_equal(updates, jnp.zeros(4))
-  chex.assert_trees_all_equal(state.inner_state, before.inner_state)
-  assert float(state.scale) == 2.0 and int(state.skipped_steps) == 1
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    tx = grad_scaler(
+        optax.sgd(1.0, momentum=0.5),
+        init_scale=4.0,
+        axis_name="d",
+        accumulation_steps=accumulation_steps,
+    )
+    params = jnp.arange(4.0)
+    state = tx.init(params)
+    specs = _state_specs(state)
+    step = jax.jit(
+        jax.shard_map(
+            lambda g, s, p: tx.update(g, s, p),
+            mesh=mesh,
+            in_specs=(P("d"), specs, P("d")),
+            out_specs=(P("d"), specs),
+        )
+    )
+    for _ in range(accumulation_steps):
+        updates, state = step(jnp.full(4, 4.0), state, params)
+    chex.assert_trees_all_equal(updates, -jnp.ones(4))
+    before = state
+    for _ in range(accumulation_steps):
+        updates, state = step(jnp.array([4.0, jnp.nan, 4.0, 4.0]), state, params)
+    chex.assert_trees_all_equal(updates, jnp.zeros(4))
+    chex.assert_trees_all_equal(state.inner_state, before.inner_state)
+    assert float(state.scale) == 2.0 and int(state.skipped_steps) == 1
 
 
 def test_axis_name_gives_one_decision_on_four_devices(tmp_path):
-  # A fresh process: the host platform is split into 4 devices only at startup.
-  script = textwrap.dedent("""
+    # A fresh process: the host platform is split into 4 devices only at startup.
+    script = textwrap.dedent("""
       import jax, jax.numpy as jnp, numpy as np, optax
       from jax.sharding import PartitionSpec as P
       from mpjax.scaler import grad_scaler
@@ -346,13 +384,15 @@ def test_axis_name_gives_one_decision_on_four_devices(tmp_path):
       assert float(state.scale) == 2.0 and int(state.skipped_steps) == 1
       print("OK")
   """)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-  result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=120)
-  assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
 
 
 # --------------------------------------------------------------------------
@@ -360,98 +400,108 @@ def test_axis_name_gives_one_decision_on_four_devices(tmp_path):
 
 
 def _trajectory_tx(accumulation_steps):
-  return grad_scaler(
-      optax.chain(optax.clip_by_global_norm(1.0),
-                  optax.inject_hyperparams(optax.adam)(
-                      learning_rate=optax.cosine_decay_schedule(1e-2, 20))),
-      init_scale=2.0**5, growth_factor=1.1, backoff_factor=0.9, growth_interval=2,
-      accumulation_steps=accumulation_steps)
+    return grad_scaler(
+        optax.chain(
+            optax.clip_by_global_norm(1.0),
+            optax.inject_hyperparams(optax.adam)(
+                learning_rate=optax.cosine_decay_schedule(1e-2, 20)
+            ),
+        ),
+        init_scale=2.0**5,
+        growth_factor=1.1,
+        backoff_factor=0.9,
+        growth_interval=2,
+        accumulation_steps=accumulation_steps,
+    )
 
 
 def _run(tx, params, state, grads_seq):
-  update = jax.jit(tx.update)
-  for grads in grads_seq:
-    updates, state = update(grads, state, params)
-    params = optax.apply_updates(params, updates)
-  return params, state
+    update = jax.jit(tx.update)
+    for grads in grads_seq:
+        updates, state = update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    return params, state
 
 
 def _grads_seq(n, seed=5):
-  rng = np.random.default_rng(seed)
-  seq = []
-  for i in range(n):
-    g = {"w": jnp.asarray(rng.normal(size=(2, 3)) * 32, jnp.float32),
-         "h": jnp.asarray(rng.normal(size=3) * 32, jnp.float16)}
-    if i % 4 == 2:
-      g["w"] = g["w"].at[0, 0].set(jnp.inf)
-    seq.append(g)
-  return seq
+    rng = np.random.default_rng(seed)
+    seq = []
+    for i in range(n):
+        g = {
+            "w": jnp.asarray(rng.normal(size=(2, 3)) * 32, jnp.float32),
+            "h": jnp.asarray(rng.normal(size=3) * 32, jnp.float16),
+        }
+        if i % 4 == 2:
+            g["w"] = g["w"].at[0, 0].set(jnp.inf)
+        seq.append(g)
+    return seq
 
 
 def _params():
-  # float32 parameters with float16 gradients for "h" (as under autocast).
-  return {"w": jnp.ones((2, 3)), "h": jnp.ones(3)}
+    # float32 parameters with float16 gradients for "h" (as under autocast).
+    return {"w": jnp.ones((2, 3)), "h": jnp.ones(3)}
 
 
 @pytest.mark.parametrize("accumulation_steps", [1, 2])
 def test_flax_serialization_round_trip_resumes_identically(accumulation_steps):
-  tx = _trajectory_tx(accumulation_steps)
-  seq = _grads_seq(13)
-  params0 = _params()
-  full_params, full_state = _run(tx, params0, tx.init(params0), seq)
+    tx = _trajectory_tx(accumulation_steps)
+    seq = _grads_seq(13)
+    params0 = _params()
+    full_params, full_state = _run(tx, params0, tx.init(params0), seq)
 
-  params, state = _run(tx, params0, tx.init(params0), seq[:7])
-  blob = serialization.to_bytes({"params": params, "opt_state": state})
-  target = {"params": _params(), "opt_state": tx.init(params0)}
-  restored = serialization.from_bytes(target, blob)
-  assert isinstance(restored["opt_state"], GradScalerState)
-  chex.assert_trees_all_equal(restored["opt_state"], state)
-  params, state = _run(tx, restored["params"], restored["opt_state"], seq[7:])
-  chex.assert_trees_all_equal(params, full_params)
-  chex.assert_trees_all_equal(state, full_state)
-  assert int(full_state.skipped_steps) > 0
-  # The state dict names its fields, for readable checkpoints.
-  state_dict = serialization.to_state_dict(state)
-  assert {"scale", "growth_tracker", "skipped_steps", "inner_state"} <= set(state_dict)
+    params, state = _run(tx, params0, tx.init(params0), seq[:7])
+    blob = serialization.to_bytes({"params": params, "opt_state": state})
+    target = {"params": _params(), "opt_state": tx.init(params0)}
+    restored = serialization.from_bytes(target, blob)
+    assert isinstance(restored["opt_state"], GradScalerState)
+    chex.assert_trees_all_equal(restored["opt_state"], state)
+    params, state = _run(tx, restored["params"], restored["opt_state"], seq[7:])
+    chex.assert_trees_all_equal(params, full_params)
+    chex.assert_trees_all_equal(state, full_state)
+    assert int(full_state.skipped_steps) > 0
+    # The state dict names its fields, for readable checkpoints.
+    state_dict = serialization.to_state_dict(state)
+    assert {"scale", "growth_tracker", "skipped_steps", "inner_state"} <= set(state_dict)
 
 
 @pytest.mark.parametrize("accumulation_steps", [1, 3])
 def test_orbax_round_trip_resumes_identically(tmp_path, accumulation_steps):
-  ocp = pytest.importorskip("orbax.checkpoint")
-  tx = _trajectory_tx(accumulation_steps)
-  seq = _grads_seq(11)
-  params0 = _params()
-  full_params, full_state = _run(tx, params0, tx.init(params0), seq)
+    ocp = pytest.importorskip("orbax.checkpoint")
+    tx = _trajectory_tx(accumulation_steps)
+    seq = _grads_seq(11)
+    params0 = _params()
+    full_params, full_state = _run(tx, params0, tx.init(params0), seq)
 
-  params, state = _run(tx, params0, tx.init(params0), seq[:5])
-  with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(tmp_path / "ckpt", {"params": params, "opt_state": state})
-    checkpointer.wait_until_finished()
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct,
-                            {"params": params0, "opt_state": tx.init(params0)})
-    restored = checkpointer.restore(tmp_path / "ckpt", abstract)
-  assert isinstance(restored["opt_state"], GradScalerState)
-  chex.assert_trees_all_equal(restored["opt_state"], state)
-  params, state = _run(tx, restored["params"], restored["opt_state"], seq[5:])
-  chex.assert_trees_all_equal(params, full_params)
-  chex.assert_trees_all_equal(state, full_state)
+    params, state = _run(tx, params0, tx.init(params0), seq[:5])
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", {"params": params, "opt_state": state})
+        checkpointer.wait_until_finished()
+        abstract = jax.tree.map(
+            ocp.utils.to_shape_dtype_struct, {"params": params0, "opt_state": tx.init(params0)}
+        )
+        restored = checkpointer.restore(tmp_path / "ckpt", abstract)
+    assert isinstance(restored["opt_state"], GradScalerState)
+    chex.assert_trees_all_equal(restored["opt_state"], state)
+    params, state = _run(tx, restored["params"], restored["opt_state"], seq[5:])
+    chex.assert_trees_all_equal(params, full_params)
+    chex.assert_trees_all_equal(state, full_state)
 
 
 def test_user_guide_examples_run():
-  """docs/loss_scaling.md: every python block runs, in order, as printed."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  with open(os.path.join(root, "docs", "loss_scaling.md")) as f:
-    blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
-  assert len(blocks) >= 5
-  try:
-    import orbax.checkpoint  # noqa: F401
-  except ImportError:  # only the checkpointing block needs it
-    blocks = [b for b in blocks if "orbax" not in b]
-  namespace = {}
-  for i, block in enumerate(blocks):
-    exec(compile(block, f"loss_scaling.md block {i}", "exec"), namespace)
-    if i == 0:  # the lead example: two float16 overflows, then a step
-      stats = namespace["stats"]
-      assert (float(stats["scale"]), int(stats["skipped_steps"])) == (16384.0, 2)
-  assert int(scaler_stats(namespace["state"])["skipped_steps"]) == 3  # MultiSteps
-  assert np.isnan(namespace["state"].acc_grads[0])
+    """docs/loss_scaling.md: every python block runs, in order, as printed."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "loss_scaling.md")) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    assert len(blocks) >= 5
+    try:
+        import orbax.checkpoint  # noqa: F401
+    except ImportError:  # only the checkpointing block needs it
+        blocks = [b for b in blocks if "orbax" not in b]
+    namespace = {}
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"loss_scaling.md block {i}", "exec"), namespace)
+        if i == 0:  # the lead example: two float16 overflows, then a step
+            stats = namespace["stats"]
+            assert (float(stats["scale"]), int(stats["skipped_steps"])) == (16384.0, 2)
+    assert int(scaler_stats(namespace["state"])["skipped_steps"]) == 3  # MultiSteps
+    assert np.isnan(namespace["state"].acc_grads[0])
