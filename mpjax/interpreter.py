@@ -245,8 +245,7 @@ def _first_order(ctx: Context, eqn, vals, weak):
     rule = Rule.ORIGINAL if low is None else policy.rule_for(eqn.primitive.name, lean=lean)
     if lean and rule is Rule.FLOAT32 and any(dtype_of(x) in policy.LOW_DTYPES for x in vals):
         return _float32_inside(ctx, eqn, vals, low)
-    targets = _targets(rule, eqn, vals, weak, low, lean)
-    args = [x if t is None else ctx.scope.cast(x, t, w) for x, t, w in zip(vals, targets, weak)]
+    args = _cast_all(ctx, vals, _targets(rule, eqn, vals, weak, low, lean), weak)
     updates = {}
     if rule is Rule.LOW:
         preferred = eqn.params.get("preferred_element_type")
@@ -286,14 +285,16 @@ def _convert_rule(ctx: Context, eqn, vals, weak):
     original_in = eqn.invars[0].aval.dtype
     new_dtype = np.dtype(eqn.params["new_dtype"])
     if ctx.region.dtype is None:
-        return _compat.bind(eqn, *_cast_to_original(ctx, eqn, vals, weak))
+        return _compat.bind(
+            eqn, *_cast_all(ctx, vals, _targets(Rule.ORIGINAL, eqn, vals, weak, None), weak)
+        )
     if new_dtype == original_in or dtype_of(x) == new_dtype:
         return [x]
     return _compat.bind(eqn, x)
 
 
-def _cast_to_original(ctx: Context, eqn, vals, weak):
-    targets = _targets(Rule.ORIGINAL, eqn, vals, weak, None)
+def _cast_all(ctx: Context, vals, targets, weak) -> list:
+    """Each value cast to its target dtype (None: left as it is), through the scope."""
     return [x if t is None else ctx.scope.cast(x, t, w) for x, t, w in zip(vals, targets, weak)]
 
 
