@@ -2,8 +2,11 @@
 
 The StableHLO that ``jax.jit(step).lower(...)`` produces is what XLA receives:
 every ``stablehlo.dot_general`` and ``stablehlo.convolution`` names its operand
-types, so the share of matrix FLOPs with 16-bit operands can be counted there,
-after every JAX transformation (autodiff, the optimizer) has run. (The compiled
+types, so the share of matrix FLOPs on 16-bit values can be counted there, after
+every JAX transformation (autodiff, the optimizer) has run. An operand that is a
+``stablehlo.convert`` up from 16 bits holds 16-bit values: that is how the backward
+products of a product kept at a float32 result appear (autocast's default
+``reduce_dtype``), and on GPUs they carry a 16-bit dot algorithm. (The compiled
 HLO is the wrong place on a CPU: XLA CPU rewrites 16-bit dots as
 convert -> float32 dot -> convert.)
 
@@ -49,17 +52,31 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def dot_flops(line: str) -> tuple[int, bool]:
-    """(FLOPs, whether both operands are 16-bit) of a ``stablehlo.dot_general`` line."""
+_OPERANDS = re.compile(r"=\s*stablehlo\.\w+\s*\(?(%[\w#.]+),\s*(%[\w#.]+)")
+_RESULT = re.compile(r"^(%[\w#.]+)(?::\d+)?\s*=")
+_CONVERT_OPERAND = re.compile(r"stablehlo\.convert\s+(%[\w#.]+)")
+
+
+def _held(line: str, types: list[str], upcast: set[str]) -> list[str]:
+    """The operand types of a product, with upcasts from 16 bits read as 16 bits."""
+    m = _OPERANDS.search(line)
+    if not m:
+        return types
+    return ["bf16" if name in upcast else t for name, t in zip(m.groups(), types)]
+
+
+def dot_flops(line: str, upcast: frozenset = frozenset()) -> tuple[int, bool]:
+    """(FLOPs, whether both operands hold 16-bit values) of a ``stablehlo.dot_general``."""
     (lhs, lhs_t), (_, rhs_t) = _signature(line)[0][:2]
     out_shape = _signature(line)[1][0][0]
     m = _CONTRACT.search(line)
     contracted = math.prod(lhs[d] for d in _ints(m.group(1))) if m else 1
+    lhs_t, rhs_t = _held(line, [lhs_t, rhs_t], upcast)
     return 2 * math.prod(out_shape) * contracted, lhs_t in LOW and rhs_t in LOW
 
 
-def conv_flops(line: str) -> tuple[int, bool]:
-    """(FLOPs, whether both operands are 16-bit) of a ``stablehlo.convolution`` line.
+def conv_flops(line: str, upcast: frozenset = frozenset()) -> tuple[int, bool]:
+    """(FLOPs, whether both operands hold 16-bit values) of a ``stablehlo.convolution``.
 
     Each output element sums over the kernel's window and input features: the
     kernel's size over its output-feature dimension ``o``.
@@ -68,6 +85,7 @@ def conv_flops(line: str) -> tuple[int, bool]:
     out_shape = _signature(line)[1][0][0]
     rhs_spec = [s.strip() for s in _CONV_DIMS.search(line).group(2).split(",")]
     per_output = math.prod(rhs) // rhs[rhs_spec.index("o")]
+    lhs_t, rhs_t = _held(line, [lhs_t, rhs_t], upcast)
     return 2 * math.prod(out_shape) * per_output, lhs_t in LOW and rhs_t in LOW
 
 
@@ -130,9 +148,10 @@ def coverage(stablehlo_text: str) -> Coverage:
     cov = Coverage()
     for f, body in funcs.items():
         k = times[f]
+        upcast = set()  # results of converts from 16 bits up to float32
         for line in body:
             if "stablehlo.dot_general" in line or "stablehlo.convolution" in line:
-                flops, low = (dot_flops if "dot_general" in line else conv_flops)(line)
+                flops, low = (dot_flops if "dot_general" in line else conv_flops)(line, upcast)
                 cov.matmul_flops += k * flops
                 cov.n_matmuls += k
                 if low:
@@ -142,6 +161,15 @@ def coverage(stablehlo_text: str) -> Coverage:
                 cov.converts += k
                 ((shape, src),) = _signature(line)[0][:1]
                 dst = _signature(line)[1][0][1]
+                result, operand = _RESULT.search(line), _CONVERT_OPERAND.search(line)
+                if (
+                    result
+                    and operand
+                    and (
+                        (src in LOW and dst == "f32") or (src == dst and operand.group(1) in upcast)
+                    )
+                ):
+                    upcast.add(result.group(1))
                 if src in _FLOATS and dst in _FLOATS and src != dst:
                     cov.float_converts += k
                     cov.float_convert_elements += k * math.prod(shape)

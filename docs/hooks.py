@@ -33,9 +33,12 @@ _TABLES = [
         "LOW_PRECISION",
         "Low precision",
         "Floating inputs are cast to the region's dtype (`float16` by default, or "
-        "`bfloat16`), and the result is in that dtype too (a float32 "
-        "`preferred_element_type` is replaced by it). This is the work that tensor "
-        "cores and TPU matrix units accelerate.",
+        "`bfloat16`), and the result is in that dtype too. A product in "
+        "`FLOAT32_ACCUMULATOR` with a float32 input (a weight) keeps its float32 "
+        "result and rounds it to that dtype afterwards, so its weight gradient is "
+        "summed, and all-reduced under data-parallel `jit`, in float32 "
+        "(`autocast(..., reduce_dtype=dtype)` turns this off). This is the work "
+        "that tensor cores and TPU matrix units accelerate.",
     ),
     (
         "FLOAT32",

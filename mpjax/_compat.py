@@ -108,3 +108,34 @@ def custom_jvp_rule(params, num_args: int):
 def sub_jaxprs(params):
     """The jaxprs held in an equation's params (bodies, branches, callees)."""
     return list(jex_core.jaxprs_in_params(params))
+
+
+def low_precision_dot_algorithm(low):
+    """The dot algorithm that multiplies `low` operands into a float32 result.
+
+    Products given a float32 result type also transpose to products with a
+    float32 cotangent (exactly representable in `low`); this algorithm makes the
+    backend round it back to `low` and use its 16-bit units. Only on GPUs of
+    compute capability 8.0 or above: the CPU backend rejects ``F16_F16_F32``, and
+    older GPUs lack the bfloat16 one. Elsewhere None: the backend's default.
+    """
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return None
+    if device.platform != "gpu":
+        return None
+    major = str(getattr(device, "compute_capability", "0")).split(".")[0]
+    if not major.isdigit() or int(major) < 8:
+        return None
+    presets = jax.lax.DotAlgorithmPreset
+    return presets.BF16_BF16_F32 if low == jax.numpy.bfloat16 else presets.F16_F16_F32
+
+
+def is_default_precision(precision) -> bool:
+    """Whether a dot's `precision` param leaves the choice to the backend."""
+    if precision is None:
+        return True
+    if isinstance(precision, tuple):
+        return all(p in (None, jax.lax.Precision.DEFAULT) for p in precision)
+    return precision == jax.lax.Precision.DEFAULT

@@ -25,7 +25,7 @@ class Equation(NamedTuple):
       >>> f = mpjax.autocast(lambda w, x: x @ w)
       >>> eqn = mpjax.audit(f, jnp.ones((4, 3)), jnp.ones((2, 4))).find("dot_general")[0]
       >>> eqn.primitive, eqn.in_dtypes, eqn.out_dtypes, eqn.path
-      ('dot_general', ('float16', 'float16'), ('float16',), '')
+      ('dot_general', ('float16', 'float16'), ('float32',), '')
     """
 
     primitive: str
@@ -57,7 +57,7 @@ class AuditReport:
       ...     return jnp.sum(jnp.exp(x @ w))
       >>> report = mpjax.audit(mpjax.autocast(f), jnp.ones((4, 3)), jnp.ones((2, 4)))
       >>> report.matmul_flops, report.low_precision_fraction, report.casts_inserted
-      (48, 1.0, 3)
+      (48, 1.0, 4)
     """
 
     equations: tuple[Equation, ...]
@@ -109,8 +109,8 @@ def audit(fun: Callable, *args, **kwargs) -> AuditReport:
       >>> def f(w, x):
       ...     return jnp.sum(jnp.exp(x @ w))
       >>> report = mpjax.audit(mpjax.autocast(f), jnp.ones((4, 3)), jnp.ones((2, 4)))
-      >>> [e.out_dtypes for e in report.find("dot_general")]
-      [('float16',)]
+      >>> [e.in_dtypes for e in report.find("dot_general")]
+      [('float16', 'float16')]
       >>> report.low_precision_fraction
       1.0
       >>> print(report)  # doctest: +SKIP
@@ -140,6 +140,7 @@ def _dtype_names(atoms) -> tuple[str, ...]:
 
 def _walk(jaxpr, path: str = "", repeat: int = 1):
     equations, casts, flops, low_flops = [], 0, 0, 0
+    upcast_from = {}  # var -> the 16-bit dtype of the value it is an upcast of
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         equations.append(
@@ -153,6 +154,8 @@ def _walk(jaxpr, path: str = "", repeat: int = 1):
         )
         if name == "convert_element_type":
             src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+            if np.dtype(src) in policy.LOW_DTYPES and np.dtype(dst) == np.float32:
+                upcast_from[eqn.outvars[0]] = np.dtype(src)
             # jnp.issubdtype: numpy does not count bfloat16 as floating.
             casts += (
                 src != dst
@@ -162,7 +165,7 @@ def _walk(jaxpr, path: str = "", repeat: int = 1):
         elif name in _MATMULS:
             n = _matmul_flops(eqn) * repeat
             flops += n
-            if all(np.dtype(v.aval.dtype) in policy.LOW_DTYPES for v in eqn.invars[:2]):
+            if _multiplies_low(eqn.invars[:2], upcast_from):
                 low_flops += n
         inner_repeat = repeat * (eqn.params["length"] if name == "scan" else 1)
         for sub in _compat.sub_jaxprs(eqn.params):
@@ -171,6 +174,19 @@ def _walk(jaxpr, path: str = "", repeat: int = 1):
             equations += e
             casts, flops, low_flops = casts + c, flops + f, low_flops + lf
     return equations, casts, flops, low_flops
+
+
+def _multiplies_low(operands, upcast_from) -> bool:
+    """Whether a product multiplies 16-bit values.
+
+    A product kept at a float32 result is transposed into products of a float32
+    cotangent, upcast from 16 bits, and a 16-bit operand: 16-bit values still,
+    run on 16-bit units where the backend can (see ``autocast(reduce_dtype=)``).
+    """
+    dtypes = [np.dtype(v.aval.dtype) for v in operands]
+    if not any(d in policy.LOW_DTYPES for d in dtypes):
+        return False
+    return all(d in policy.LOW_DTYPES or v in upcast_from for v, d in zip(operands, dtypes))
 
 
 def _matmul_flops(eqn) -> int:

@@ -35,22 +35,25 @@ from mpjax.policy import Rule
 
 _F32 = np.dtype(jnp.float32)
 _MARKER = "mpjax_autocast_"
-_MARKER_RE = re.compile(_MARKER + r"(off|float16|bfloat16)(_lean)?")
+_MARKER_RE = re.compile(_MARKER + r"(off|float16|bfloat16)(_lean)?(_reduce_low)?")
 POLICIES = ("torch", "lean")
 
 
 class Region(NamedTuple):
-    """The autocast setting in force: the low dtype (None when disabled), and
-    whether the memory-lean policy is on."""
+    """The autocast setting in force: the low dtype (None when disabled), whether
+    the memory-lean policy is on, and whether products of float32 values round
+    their accumulator to the low dtype (``reduce_dtype=dtype``)."""
 
     dtype: np.dtype | None
     lean: bool = False
+    reduce_low: bool = False
 
     @property
     def scope_name(self) -> str:
         if self.dtype is None:
             return _MARKER + "off"
-        return _MARKER + self.dtype.name + ("_lean" if self.lean else "")
+        suffix = ("_lean" if self.lean else "") + ("_reduce_low" if self.reduce_low else "")
+        return _MARKER + self.dtype.name + suffix
 
 
 def region_of(eqn, outer: Region) -> Region:
@@ -58,8 +61,8 @@ def region_of(eqn, outer: Region) -> Region:
     found = _MARKER_RE.findall(_compat.name_stack(eqn))
     if not found:
         return outer
-    dtype, lean = found[-1]
-    return Region(None if dtype == "off" else np.dtype(dtype), bool(lean))
+    dtype, lean, reduce_low = found[-1]
+    return Region(None if dtype == "off" else np.dtype(dtype), bool(lean), bool(reduce_low))
 
 
 def dtype_of(x):
@@ -248,12 +251,41 @@ def _first_order(ctx: Context, eqn, vals, weak):
     args = _cast_all(ctx, vals, _targets(rule, eqn, vals, weak, low, lean), weak)
     updates = {}
     if rule is Rule.LOW:
+        if _float32_accumulator(ctx.region, eqn, vals):
+            return _low_product_float32_accumulator(eqn, args, low)
         preferred = eqn.params.get("preferred_element_type")
         if preferred is not None and policy.is_castable(preferred):
             updates["preferred_element_type"] = low
     if "update_jaxpr" in eqn.params and args and dtype_of(args[0]) != eqn.invars[0].aval.dtype:
         updates.update(_compat.retype_scalar_jaxpr(eqn.params, dtype_of(args[0])))
     return _compat.bind(eqn, *args, **updates)
+
+
+def _float32_accumulator(region: Region, eqn, vals) -> bool:
+    """Whether a low-precision product keeps a float32 result: one of its inputs
+    is float32 (a weight), so its transpose is a float32 gradient."""
+    return (
+        not region.reduce_low
+        and eqn.primitive.name in policy.FLOAT32_ACCUMULATOR
+        and any(dtype_of(x) == _F32 for x in vals)
+    )
+
+
+def _low_product_float32_accumulator(eqn, args, low):
+    """The product of low-precision `args` with a float32 result, rounded to `low`.
+
+    The forward value is what a low-precision product gives (16-bit operands,
+    float32 accumulation, one rounding). What changes is the backward pass: JAX
+    transposes the product at its float32 result type, so the weight gradient is
+    a float32 sum over the batch, and data-parallel jit all-reduces it in float32
+    (jax#27496). On GPUs an explicit dot algorithm keeps those backward products
+    on 16-bit tensor cores, their float32 cotangent being exact in 16 bits.
+    """
+    updates = {"preferred_element_type": _F32}
+    algorithm = _compat.low_precision_dot_algorithm(low)
+    if algorithm is not None and _compat.is_default_precision(eqn.params.get("precision")):
+        updates["precision"] = algorithm
+    return [_convert(o, low, False) for o in _compat.bind(eqn, *args, **updates)]
 
 
 def _float32_inside(ctx: Context, eqn, vals, low):
@@ -590,12 +622,32 @@ def _check_dtype(dtype) -> np.dtype:
     return resolved
 
 
+def _check_reduce_dtype(reduce_dtype, low: np.dtype) -> bool:
+    """Validates `reduce_dtype`; returns whether gradients are summed in `low`."""
+    try:
+        resolved = None if reduce_dtype is None else np.dtype(reduce_dtype)
+    except TypeError:
+        resolved = None
+    if resolved not in (_F32, low):
+        raise ValueError(
+            f"autocast(reduce_dtype={reduce_dtype!r}): reduce_dtype must be jnp.float32 "
+            f"(the default: weight gradients summed and all-reduced in float32) or "
+            f"jnp.{low.name}, the autocast dtype (all-reduced in 16 bits, half the bandwidth)."
+        )
+    return resolved == low
+
+
 def _is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def autocast(
-    fun: Callable | None = None, *, dtype=jnp.float16, enabled: bool = True, policy: str = "torch"
+    fun: Callable | None = None,
+    *,
+    dtype=jnp.float16,
+    enabled: bool = True,
+    policy: str = "torch",
+    reduce_dtype=jnp.float32,
 ):
     """Runs `fun` in mixed precision, like ``torch.autocast``.
 
@@ -630,6 +682,14 @@ def autocast(
         operation sets its precision; embedding lookups gather from a
         low-precision table. It keeps fewer and smaller activations, at the cost
         of rounding more intermediate results to 16 bits.
+      reduce_dtype: the dtype gradients of float32 values (the weights) are summed
+        in, as torch FSDP's ``reduce_dtype``. ``jnp.float32`` (default): a matrix
+        product with a float32 input keeps its float32 result and rounds it to
+        `dtype` afterwards (the same forward value), so in the backward pass its
+        weight gradient is summed over the batch in float32, and data-parallel
+        ``jit`` all-reduces it in float32, not in 16 bits. Pass `dtype` itself to
+        all-reduce in 16 bits, for half the bandwidth. Convolutions always
+        produce `dtype` results.
 
     Returns:
       A function with the signature of `fun`.
@@ -648,8 +708,11 @@ def autocast(
     low = _check_dtype(dtype)
     if policy not in POLICIES:
         raise ValueError(f"autocast(policy={policy!r}): policy must be one of {POLICIES}.")
+    reduce_low = _check_reduce_dtype(reduce_dtype, low)
     if fun is None:
-        return functools.partial(autocast, dtype=low, enabled=enabled, policy=policy)
+        return functools.partial(
+            autocast, dtype=low, enabled=enabled, policy=policy, reduce_dtype=reduce_dtype
+        )
     if isinstance(fun, type) and policy_module.is_castable(fun):
         raise TypeError(
             f"autocast(fun): got the dtype {np.dtype(fun).name} as the function; pass the "
@@ -662,7 +725,7 @@ def autocast(
             "function that computes your loss: autocast(loss_fn)(params, batch), or use "
             "@autocast / @autocast(dtype=jnp.bfloat16) as a decorator."
         )
-    region = Region(low if enabled else None, enabled and policy == "lean")
+    region = Region(low if enabled else None, enabled and policy == "lean", reduce_low)
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):

@@ -114,6 +114,15 @@ AS_RECEIVED = _table(Rule.AS_RECEIVED, [
 POLICY: dict[str, Rule] = {**LOW_PRECISION, **FLOAT32, **WIDEST, **AS_RECEIVED}
 """Every primitive with a rule; anything else is `Rule.ORIGINAL`."""
 
+# Products that return their float32 accumulator, rounded to the low dtype only
+# afterwards, when an input was float32 before autocast cast it (a weight). Their
+# transposes, the gradients of those float32 values, then come out float32: summed
+# across a batch in float32, and all-reduced in float32 under data-parallel jit, as
+# torch DDP reduces float32 `.grad`s. ``autocast(..., reduce_dtype=dtype)`` turns it
+# off for the bandwidth. Convolutions are left out: GPUs have no convolution from
+# 16-bit operands to a float32 result, so its transpose would run in float32.
+FLOAT32_ACCUMULATOR = frozenset({"dot_general"})
+
 # The memory-lean policy changes these rules. An embedding lookup gathers from a
 # low-precision table, so the activations it starts are low precision.
 LEAN_OVERRIDES: dict[str, Rule] = {"gather": Rule.LOW}

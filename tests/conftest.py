@@ -35,6 +35,53 @@ def float_dtypes(atoms):
     ]
 
 
+def value_dtypes(jaxpr) -> dict:
+    """For each equation of `jaxpr` (sub-jaxprs included), the dtypes its float
+    operands hold values of: an upcast of a float16 value holds float16 values.
+
+    The backward pass of a product with a float32 result multiplies such an
+    upcast cotangent by a float16 operand: that is a float16 product. An equation
+    with no 16-bit operand at all (a region autocast leaves in float32) computes
+    in float32 whatever its operands once were.
+    """
+    out = {}
+
+    def walk(jaxpr):
+        jaxpr, _ = _compat.jaxpr_and_consts(jaxpr)
+        origin = {}
+        held = lambda a: (
+            origin.get(a, np.dtype(a.aval.dtype))
+            if not hasattr(a, "val")
+            else (np.dtype(a.aval.dtype))
+        )
+        for eqn in jaxpr.eqns:
+            floats = [a for a in eqn.invars if policy.is_castable(a.aval.dtype)]
+            if any(np.dtype(a.aval.dtype) in policy.LOW_DTYPES for a in floats):
+                out[eqn] = [held(a) for a in floats]
+            else:
+                out[eqn] = [np.dtype(a.aval.dtype) for a in floats]
+            if eqn.primitive.name == "convert_element_type":
+                (src,), (dst,) = eqn.invars, eqn.outvars
+                if (
+                    policy.is_castable(dst.aval.dtype)
+                    and held(src).itemsize < dst.aval.dtype.itemsize
+                ):
+                    origin[dst] = held(src)
+            for sub in _compat.sub_jaxprs(eqn.params):
+                walk(sub)
+
+    walk(jaxpr)
+    return out
+
+
+def product_ok(eqn, held, low) -> bool:
+    """A matrix product multiplies `low` values and returns `low`, or float32 for
+    the products that keep a float32 accumulator (see `policy.FLOAT32_ACCUMULATOR`)."""
+    outs = set(float_dtypes(eqn.outvars))
+    allowed = {low, F32} if eqn.primitive.name in policy.FLOAT32_ACCUMULATOR else {low}
+    return set(held) == {low} and outs <= allowed
+
+
 def assert_obeys_policy(jaxpr, low):
     """Checks the dtype of every equation against the policy tables.
 
@@ -42,6 +89,7 @@ def assert_obeys_policy(jaxpr, low):
     """
     low = np.dtype(low)
     by_name = {}
+    held = value_dtypes(jaxpr)
     for eqn in all_eqns(jaxpr):
         name = eqn.primitive.name
         by_name.setdefault(name, []).append(eqn)
@@ -49,7 +97,7 @@ def assert_obeys_policy(jaxpr, low):
         rule = policy.rule_for(name)
         where = f"{name} {ins} -> {outs} at {_compat.user_frame(eqn)}"
         if rule is Rule.LOW:
-            assert set(ins) == {low} and set(outs) <= {low}, where
+            assert product_ok(eqn, held[eqn], low), where
         elif rule is Rule.FLOAT32:
             assert set(ins) <= {F32} and set(outs) <= {F32}, where
         elif rule is Rule.WIDEST and name not in ("select_and_gather_add",):

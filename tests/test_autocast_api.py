@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import mpjax
-from conftest import BF16, F16, F32, all_eqns, rel_tol
+from conftest import BF16, F16, F32, all_eqns, rel_tol, value_dtypes
 
 
 def _w(*shape, seed=0):
@@ -27,6 +27,18 @@ def _dots(fun, *args, **kwargs):
 
 def _out_dtypes(eqns):
     return [e.outvars[0].aval.dtype for e in eqns]
+
+
+def _precisions(fun, *args, **kwargs):
+    """The dtype each matrix product multiplies in: the values its operands hold."""
+    jaxpr = jax.make_jaxpr(fun)(*args, **kwargs)
+    held = value_dtypes(jaxpr)
+    out = []
+    for e in all_eqns(jaxpr):
+        if e.primitive.name == "dot_general":
+            (dtype, *others) = held[e]
+            out.append(dtype if all(o == dtype for o in others) else tuple(held[e]))
+    return out
 
 
 # --- call forms and pytrees ------------------------------------------------------
@@ -49,7 +61,7 @@ def _mm(a, b):
 def test_call_forms(make):
     f = make()
     assert f.__name__ == "_mm"
-    assert _out_dtypes(_dots(f, _w(2, 2), _w(2, 2)))[0] in (F16, BF16)
+    assert _precisions(f, _w(2, 2), _w(2, 2))[0] in (F16, BF16)
 
 
 def test_decorator_syntax():
@@ -61,8 +73,8 @@ def test_decorator_syntax():
     def g(a):
         return a @ a
 
-    assert _out_dtypes(_dots(f, _w(2, 2))) == [F16]
-    assert _out_dtypes(_dots(g, _w(2, 2))) == [BF16]
+    assert _precisions(f, _w(2, 2)) == [F16]
+    assert _precisions(g, _w(2, 2)) == [BF16]
 
 
 def test_pytree_arguments_keyword_arguments_and_results():
@@ -167,7 +179,7 @@ def test_disabled_region_runs_as_written():
         return mpjax.autocast(g, enabled=False)(h, w) @ w
 
     dots = _dots(mpjax.autocast(f), _w(3, 3), _w(2, 3))
-    assert _out_dtypes(dots) == [F16, F32, F16]
+    assert _precisions(mpjax.autocast(f), _w(3, 3), _w(2, 3)) == [F16, F32, F16]
     assert [v.aval.dtype for v in dots[1].invars] == [F32, F32]  # inputs cast back
 
 
@@ -176,8 +188,7 @@ def test_inner_region_with_another_dtype_overrides():
         inner = mpjax.autocast(lambda h: jnp.tanh(h @ w), dtype=jnp.bfloat16)
         return inner(x @ w) @ w
 
-    dots = _dots(mpjax.autocast(f), _w(3, 3), _w(2, 3))
-    assert _out_dtypes(dots) == [F16, BF16, F16]
+    assert _precisions(mpjax.autocast(f), _w(3, 3), _w(2, 3)) == [F16, BF16, F16]
     # ... and leaving it restores the outer region.
     np.testing.assert_allclose(
         jax.jit(mpjax.autocast(f))(_w(3, 3), _w(2, 3)), f(_w(3, 3), _w(2, 3)), rtol=5e-2, atol=1e-2
@@ -189,13 +200,12 @@ def test_disabled_region_inside_nested_jit():
         off = mpjax.autocast(lambda a: jnp.sin(a @ w), enabled=False)
         return jax.jit(lambda a: off(a @ w))(x).sum()
 
-    dots = _dots(mpjax.autocast(f), _w(3, 3), _w(2, 3))
-    assert _out_dtypes(dots) == [F16, F32]
+    assert _precisions(mpjax.autocast(f), _w(3, 3), _w(2, 3)) == [F16, F32]
 
 
 def test_enabled_false_at_top_level_is_identity():
     f = lambda a: jnp.exp(a @ a)
-    assert _out_dtypes(_dots(mpjax.autocast(f, enabled=False), _w(2, 2))) == [F32]
+    assert _precisions(mpjax.autocast(f, enabled=False), _w(2, 2)) == [F32]
 
 
 # --- composition with transforms -----------------------------------------------------
@@ -235,8 +245,8 @@ def test_composes_with_transforms(name, low):
     want = make(lambda f: f, _loss)(w, x)
     chex.assert_trees_all_equal_dtypes(got, want)
     chex.assert_trees_all_close(got, want, rtol=8 * rel_tol(low), atol=3e-2)
-    dots = _dots(make(functools.partial(mpjax.autocast, dtype=low), _loss), w, x)
-    assert dots and set(_out_dtypes(dots)) == {low}
+    precisions = _precisions(make(functools.partial(mpjax.autocast, dtype=low), _loss), w, x)
+    assert precisions and set(precisions) == {low}
 
 
 # --- errors --------------------------------------------------------------------------

@@ -12,6 +12,7 @@ remaining inputs.
 | ``autocast(jnp.float16)`` (dtype positionally, the torch habit)  | TypeError at wrap time: "autocast(fun): got the dtype float16 as the function; pass the dtype by keyword: autocast(dtype=jnp.float16)" |
 | ``audit(3)``, ``audit(array)``                                   | TypeError: "audit(fun, ...): fun must be callable, got int" |
 | ``autocast(f, dtype=jnp.int8 / jnp.float64 / jnp.float32 / "half-ish")``, and as ``@autocast(dtype=...)`` | ValueError at wrap time naming ``dtype``, the two valid dtypes, and ``enabled=False`` for float32 regions; dtype names ``"float16"``, ``"bfloat16"`` are accepted |
+| ``autocast(f, reduce_dtype=...)`` other than ``jnp.float32`` or the autocast dtype (``None``, bfloat16 under float16, float64, int8, an unknown name), and as ``@autocast(reduce_dtype=...)`` | ValueError at wrap time naming ``reduce_dtype`` and its two choices, with what each does |
 | Python bool / int / float / str arguments (positional, keyword, inside pytrees) | passed to ``fun`` unchanged, as Python objects: they may steer control flow and shapes; ``jax.jit(..., static_argnames=...)`` around autocast works |
 | a JAX array (or a NumPy scalar, which counts as an array) in Python control flow: ``if x``, ``range(n)``, ``float(x)`` | JAX's error, with mpjax's note: "Pass such flags as Python bools or ints ..., close over them, or use lax.cond / jnp.where" |
 | ``audit(autocast(f), x, True)`` with a static Python flag          | works: audit passes non-array leaves to ``fun`` unchanged, as autocast does |
@@ -96,11 +97,33 @@ def test_bad_dtype_names_the_valid_ones_and_the_float32_route(dtype):
         assert "autocast(fun, enabled=False)" in str(info.value)
 
 
+@pytest.mark.parametrize("reduce_dtype", [jnp.bfloat16, jnp.float64, jnp.int8, "quarter", None])
+def test_bad_reduce_dtype_names_the_two_choices(reduce_dtype):
+    for make in [
+        lambda: mpjax.autocast(lambda x: x, reduce_dtype=reduce_dtype),
+        lambda: mpjax.autocast(reduce_dtype=reduce_dtype),
+    ]:  # float16 autocast: bfloat16 is neither float32 nor the autocast dtype
+        with pytest.raises(
+            ValueError,
+            match=r"autocast\(reduce_dtype=.*\): reduce_dtype must be jnp\.float32 .* or "
+            r"jnp\.float16, the autocast dtype",
+        ):
+            make()
+
+
+@pytest.mark.parametrize("low", [jnp.float16, jnp.bfloat16])
+def test_reduce_dtype_in_16_bits_keeps_16_bit_product_results(low):
+    report = mpjax.audit(
+        mpjax.autocast(lambda a: a @ a, dtype=low, reduce_dtype=low), jnp.ones((2, 2))
+    )
+    assert [e.out_dtypes for e in report.find("dot_general")] == [(np.dtype(low).name,)]
+
+
 @pytest.mark.parametrize("name, low", [("float16", jnp.float16), ("bfloat16", jnp.bfloat16)])
 def test_dtype_names_are_accepted(name, low):
     x = jnp.ones((2, 2))
     report = mpjax.audit(mpjax.autocast(lambda a: a @ a, dtype=name), x)
-    assert [e.out_dtypes for e in report.find("dot_general")] == [(np.dtype(low).name,)]
+    assert [e.in_dtypes for e in report.find("dot_general")] == [(np.dtype(low).name,) * 2]
 
 
 # --------------------------------------------------------------------------

@@ -109,7 +109,20 @@ def test_stablehlo_parser_counts_calls_once_per_call_site():
 """
     cov = stablehlo.coverage(text)
     low = 2 * (2 * 2 * 4 * 3)  # two calls of a 2x3 @ 3x4 product
-    assert cov.low_precision_flops == low
+    # %3 multiplies float32 values upcast from bfloat16: 16-bit values.
+    assert cov.low_precision_flops == low + 2 * (2 * 2) * 4
     assert cov.matmul_flops == low + 2 * (2 * 2) * 4
-    assert cov.n_matmuls == 3 and cov.n_low_matmuls == 2
+    assert cov.n_matmuls == cov.n_low_matmuls == 3
     assert cov.float_converts == 1 and cov.float_convert_elements == 8
+
+
+def test_stablehlo_parser_counts_float32_values_as_float32():
+    text = """
+  func.func public @main(%arg0: tensor<2x3xf32>, %arg1: tensor<3x4xbf16>) -> tensor<2x4xf32> {
+    %0 = stablehlo.convert %arg1 : (tensor<3x4xbf16>) -> tensor<3x4xf32>
+    %1 = stablehlo.dot_general %arg0, %0, contracting_dims = [1] x [0] : (tensor<2x3xf32>, tensor<3x4xf32>) -> tensor<2x4xf32>
+    return %1 : tensor<2x4xf32>
+  }
+"""
+    cov = stablehlo.coverage(text)
+    assert cov.matmul_flops == 2 * 2 * 4 * 3 and cov.low_precision_flops == 0

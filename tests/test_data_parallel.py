@@ -190,6 +190,75 @@ def test_shard_map_gradient_all_reduce_is_float32():
     assert not [t for t in types if "f16" in t], types
 
 
+def _sharded_batch(n=1024):
+    k = jax.random.key(5)
+    x, y = jax.random.normal(k, (n, 12)), jax.random.randint(k, (n,), 0, 4)
+    batch = NamedSharding(_mesh(), P("data"))
+    return (x, y), (jax.device_put(x, batch), jax.device_put(y, batch))
+
+
+def _compiled_all_reduce_dtypes(fun, *args) -> list[str]:
+    """Element types of the all-reduces XLA compiled (tuple all-reduces flattened)."""
+    text = jax.jit(fun).lower(*args).compile().as_text()
+    out = []
+    for line in text.splitlines():
+        if re.search(r"\ball-reduce(-start)?\(", line):
+            result = line.split("=", 1)[1].split("all-reduce")[0]
+            out += re.findall(r"\b(f16|bf16|f32)\[", result)
+    return out
+
+
+def test_sharded_jit_gradient_all_reduce_is_float32_by_default():
+    # float16 only: XLA's CPU backend all-reduces bfloat16 in float32 whatever it
+    # is given, so it cannot show the difference for bfloat16 (the same code path).
+    params, _, _ = _init()
+    _, (xs, ys) = _sharded_batch()
+    default = jax.grad(mpjax.autocast(loss_fn))
+    assert set(_compiled_all_reduce_dtypes(default, params, xs, ys)) == {"f32"}
+    # The choice for bandwidth: weight gradients all-reduced in 16 bits.
+    lean = jax.grad(mpjax.autocast(loss_fn, reduce_dtype=jnp.float16))
+    assert "f16" in _compiled_all_reduce_dtypes(lean, params, xs, ys)
+
+
+def test_float32_all_reduce_gives_the_single_device_gradients():
+    """With the float32 all-reduce the 8-device weight gradients are the one-device
+    ones: the per-device sums and their all-reduce are float32, rounded to float16
+    once, where one device rounds once too. A float16 all-reduce rounds each
+    device's sum. (The float32 bias gradient differs in float32's last bits, the
+    order of a float32 sum.)"""
+    params, _, _ = _init()
+    (x, y), (xs, ys) = _sharded_batch()
+
+    def differing(**kw):
+        grad = jax.jit(jax.grad(mpjax.autocast(loss_fn, **kw)))
+        one, eight = grad(params, x, y), grad(params, xs, ys)
+        return max(float(np.mean(np.asarray(one[k]) != np.asarray(eight[k]))) for k in ("w1", "w2"))
+
+    assert differing() <= 0.01
+    assert differing(reduce_dtype=jnp.float16) > 0.1
+
+
+def test_gpu_program_keeps_backward_products_in_16_bits(monkeypatch):
+    """The program a GPU receives, exported here without one: every product of the
+    backward pass multiplies 16-bit operands into float32 (an explicit algorithm),
+    rather than upcasting its float32 cotangent into a float32 product."""
+    from mpjax import _compat
+
+    monkeypatch.setattr(
+        _compat, "low_precision_dot_algorithm", lambda low: lax.DotAlgorithmPreset.F16_F16_F32
+    )
+    params, x, y = _init()
+    exported = jax.export.export(jax.jit(jax.grad(mpjax.autocast(loss_fn))), platforms=["cuda"])(
+        params, x, y
+    )
+    dots = re.findall(r"stablehlo.dot_general .*", exported.mlir_module())
+    assert len(dots) == 5  # two forward; backward: two weight gradients, one for h
+    for dot in dots:
+        assert "lhs_precision_type = f16, rhs_precision_type = f16, accumulation_type = f32" in dot
+        operands = re.search(r": \((tensor<[^>]*>), (tensor<[^>]*>)\) -> (tensor<[^>]*>)", dot)
+        assert [t[-4:-1] for t in operands.groups()] == ["f16", "f16", "f32"], dot
+
+
 def test_autocast_keeps_input_shardings():
     params, x, _ = _init()
     mesh = _mesh()

@@ -53,7 +53,7 @@ assert grads["w1"].dtype == grads["w2"].dtype == jnp.float32
 report = mpjax.audit(mpjax.autocast(loss_fn), params, x)
 for eqn in report.find("dot_general"):
     print(f"{eqn.path or '(top level)':<28} {eqn.in_dtypes} -> {eqn.out_dtypes}")
-assert [e.out_dtypes for e in report.find("dot_general")] == [("float16",), ("float32",)]
+assert [e.in_dtypes for e in report.find("dot_general")] == [("float16",) * 2, ("float32",) * 2]
 
 
 # torch's @custom_fwd(cast_inputs=torch.float32): run a function in float32

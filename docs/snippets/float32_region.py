@@ -20,7 +20,7 @@ assert out.dtype == jnp.float32            # results keep their original dtypes
 report = mpjax.audit(mpjax.autocast(attention), q, k, v)
 for eqn in report.find("dot_general"):
     print(eqn.in_dtypes, "->", eqn.out_dtypes, "at", eqn.source)
-assert [e.out_dtypes for e in report.find("dot_general")] == [("float32",), ("float16",)]
+assert [e.in_dtypes for e in report.find("dot_general")] == [("float32",) * 2, ("float16",) * 2]
 
 
 # An identity cast does nothing. Traced, `q.astype(jnp.float32)` on a float32 `q`
@@ -30,4 +30,4 @@ def not_a_float32_region(q, k):
 
 
 report = mpjax.audit(mpjax.autocast(not_a_float32_region), q, k)
-assert report.find("dot_general")[0].out_dtypes == ("float16",)
+assert report.find("dot_general")[0].in_dtypes == ("float16", "float16")
