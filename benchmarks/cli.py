@@ -92,6 +92,18 @@ def metadata(argv: list[str], mode: str) -> dict:
     )
 
 
+def traced_measurements(spec, names) -> tuple[dict, dict]:
+    """Activation memory and precision coverage of each variant: traced, not timed."""
+    params, batch = spec.param_spec(), spec.batch_spec()
+    mem = {n: memory.memory_report(loss_fn(spec, VARIANTS[n]), params, batch) for n in names}
+    cov = {}
+    for n in names:
+        step, tx = train_step(spec, VARIANTS[n])
+        text = jax.jit(step).lower(*step_specs(spec, tx)).as_text()
+        cov[n] = stablehlo.coverage(text).as_dict()
+    return mem, cov
+
+
 def cpu_benchmarks(mode: str, log=print) -> dict:
     """Every CPU measurement, per model family."""
     cfg = MODES[mode]
@@ -110,16 +122,8 @@ def cpu_benchmarks(mode: str, log=print) -> dict:
         results["sizes"][family] = {
             k: SIZES[cfg[k]][family].describe() for k in ("static", "compile", "run")
         }
-        params, batch = spec.param_spec(), spec.batch_spec()
         log(f"[{family}] memory and coverage: {spec.describe()}")
-        results["memory"][family] = {
-            n: memory.memory_report(loss_fn(spec, VARIANTS[n]), params, batch) for n in names
-        }
-        results["coverage"][family] = {}
-        for n in names:
-            step, tx = train_step(spec, VARIANTS[n])
-            text = jax.jit(step).lower(*step_specs(spec, tx)).as_text()
-            results["coverage"][family][n] = stablehlo.coverage(text).as_dict()
+        results["memory"][family], results["coverage"][family] = traced_measurements(spec, names)
 
         if family not in cfg["timed_families"]:
             continue

@@ -10,26 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 
-import jax
-
-from benchmarks import memory, stablehlo
-from benchmarks.cli import FAMILIES, MODES, SIZES
-from benchmarks.variants import VARIANTS, loss_fn, step_specs, train_step
+from benchmarks.cli import FAMILIES, MODES, SIZES, traced_measurements
+from benchmarks.variants import VARIANTS
 
 
 def static_benchmarks(mode: str = "full") -> dict:
     out: dict = {"memory": {}, "coverage": {}}
     for family in FAMILIES:
         spec = SIZES[MODES[mode]["static"]][family]
-        params, batch = spec.param_spec(), spec.batch_spec()
-        out["memory"][family] = {
-            n: memory.memory_report(loss_fn(spec, v), params, batch) for n, v in VARIANTS.items()
-        }
-        out["coverage"][family] = {}
-        for n, v in VARIANTS.items():
-            step, tx = train_step(spec, v)
-            text = jax.jit(step).lower(*step_specs(spec, tx)).as_text()
-            out["coverage"][family][n] = stablehlo.coverage(text).as_dict()
+        out["memory"][family], out["coverage"][family] = traced_measurements(spec, list(VARIANTS))
     return out
 
 
