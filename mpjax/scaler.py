@@ -376,17 +376,15 @@ def _loss_scaler(
         finite = _all_finite_everywhere(grads)
         # inner runs on zeros when skipping: its result is discarded anyway, and
         # this way no inf or NaN is computed inside it (jax_debug_nans stays quiet).
-        grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+        grads = _zeros_unless(finite, grads)
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
         # inner may itself produce a non-finite update from finite gradients (adam
         # with eps=0 on zero gradients): that step is skipped too, so parameters
         # never become non-finite. The scale is not at fault and is not backed off.
         applied = finite & _all_finite_everywhere(updates)
         # Selection is exact, so a skipped step leaves inner's state bit for bit.
-        updates = jax.tree.map(lambda u: jnp.where(applied, u, jnp.zeros_like(u)), updates)
-        inner_state = jax.tree.map(
-            lambda new, old: jnp.where(applied, new, old), inner_state, state.inner_state
-        )
+        updates = _zeros_unless(applied, updates)
+        inner_state = _select(applied, inner_state, state.inner_state)
         if dynamic:
             scale, tracker = _next_scale(
                 state.scale,
@@ -408,23 +406,17 @@ def _loss_scaler(
             inner_state=inner_state,
         )
 
-    def unscale(grads, like, state, divisor=None):
-        """`grads` (maybe a sum of `divisor` micro-batches) unscaled, in `like`'s dtypes."""
+    def unscale(grads, like, state):
+        """`grads` unscaled, in `like`'s dtypes."""
         if enabled:
-            # torch multiplies by f32(1 / double(scale)); the float32 quotient is the
-            # same number (a reciprocal can never round to a float32 midpoint).
-            inv_scale = 1.0 / state.scale
+            inv_scale, inv_tail = _reciprocal(state.scale)
 
         def one(g, ref):
             if not _is_inexact(ref):
                 return ref
             g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
-            if divisor is not None:
-                # Written as the product XLA would turn a division by a constant into
-                # anyway, so the result is the same on every backend.
-                g = g * jnp.asarray(1.0 / divisor, g.dtype)
             if enabled:
-                g = g * inv_scale
+                g = g * inv_scale * inv_tail
             return g.astype(ref.dtype)
 
         return jax.tree.map(one, grads, like)
@@ -453,31 +445,31 @@ def _loss_scaler(
         if k == 1:
             return step(unscale(updates, updates, state), state, params, extra)
 
+        # Each micro-batch is divided by k before it is added, as torch's recipe
+        # divides the loss: the sum then overflows only where torch's would.
+        # Written as the product XLA turns a division by a constant into anyway,
+        # so the result is the same on every backend.
         total = jax.tree.map(
-            lambda acc, g: acc + g.astype(acc.dtype) if _is_inexact(g) else acc,
+            lambda acc, g: acc + g.astype(acc.dtype) * jnp.asarray(1.0 / k, acc.dtype)
+            if _is_inexact(g)
+            else acc,
             state.grad_accumulator,
             updates,
         )
         micro_step = state.micro_step + 1
         last_micro_step = micro_step == k
         step_updates, step_state = step(
-            unscale(total, updates, state, divisor=k), state, params, extra
+            unscale(total, updates, state), state, params, extra
         )
         # Selection, as in optax.MultiSteps: inner's update is computed on every
         # micro-batch and kept on the last. (lax.cond would skip that work, but
         # inside shard_map its branches must agree on device variance, which the
         # zeros of the other branch cannot know.)
-        new_updates = jax.tree.map(
-            lambda u: jnp.where(last_micro_step, u, jnp.zeros_like(u)), step_updates
-        )
-        new_state = jax.tree.map(
-            lambda new, old: jnp.where(last_micro_step, new, old), step_state, state
-        )
+        new_updates = _zeros_unless(last_micro_step, step_updates)
+        new_state = _select(last_micro_step, step_state, state)
         # Reset by selection: a multiplication (optax.MultiSteps) would turn an inf
         # into a NaN that poisons every later effective batch.
-        accumulator = jax.tree.map(
-            lambda t: jnp.where(last_micro_step, jnp.zeros_like(t), t), total
-        )
+        accumulator = _select(last_micro_step, jax.tree.map(jnp.zeros_like, total), total)
         return new_updates, new_state._replace(
             micro_step=jnp.where(last_micro_step, 0, micro_step).astype(jnp.int32),
             grad_accumulator=accumulator,
@@ -506,6 +498,21 @@ def _next_scale(
     # The tracker resets on growth even when growth was refused, as torch's does.
     new_tracker = jnp.where(finite & ~grow, successful, 0).astype(jnp.int32)
     return new_scale.astype(jnp.float32), new_tracker
+
+
+def _reciprocal(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``1 / scale`` as two normal float32 factors, ``(inverse, tail)``.
+
+    Up to a scale of 2**64 this is torch's ``f32(1 / double(scale))`` and a tail of
+    1, so unscaling is torch's single multiply, bit for bit (a float32 quotient
+    is the same number: a reciprocal never rounds to a float32 midpoint). Above,
+    the exact power of two 2**-64 is split off into the tail: above 2**126 the
+    single reciprocal would be a float32 subnormal, which backends flush to
+    zero, and every gradient would silently become 0.
+    """
+    big = scale > jnp.float32(2.0**64)
+    tail = jnp.where(big, jnp.float32(2.0**-64), jnp.float32(1.0))
+    return 1.0 / jnp.where(big, scale * jnp.float32(2.0**-64), scale), tail
 
 
 def _mul_f32_by_f64(x: jax.Array, factor: float) -> jax.Array:
@@ -851,8 +858,39 @@ def _accumulator_dtype(p):
 
 
 def _all_finite(tree) -> jax.Array:
+    """Whether every inexact leaf of `tree` is finite, as a bool scalar.
+
+    One reduction per leaf, combined by one more reduction (a float32 min of
+    their stack). Combined with ``&`` instead, the flag is a chain of cheap
+    scalar ops that XLA copies into every fusion reading it (every select of
+    the step), so compile time grew with the square of the number of leaves;
+    a reduction is never copied.
+    """
     flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree) if _is_inexact(x)]
-    return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
+    if len(flags) <= 1:
+        return flags[0] if flags else jnp.array(True)
+    return jnp.min(jnp.stack(flags).astype(jnp.float32)) > 0
+
+
+def _select(pred: jax.Array, on_true, on_false):
+    """``jnp.where(pred, on_true, on_false)`` leaf by leaf, for a bool scalar `pred`.
+
+    One ``select_n`` per leaf: ``jnp.where`` wraps each call in a nested jit,
+    which costs trace and compile time on trees of thousands of leaves.
+    """
+
+    def one(t, f):
+        t, f = jnp.asarray(t), jnp.asarray(f)
+        if t.dtype != f.dtype or t.shape != f.shape:  # rare: an inner that retypes its state
+            return jnp.where(pred, t, f)
+        return lax.select_n(lax.broadcast(pred, t.shape), f, t)
+
+    return jax.tree.map(one, on_true, on_false)
+
+
+def _zeros_unless(pred: jax.Array, tree):
+    """`tree` where `pred`, zeros of the same shapes and dtypes elsewhere."""
+    return _select(pred, tree, jax.tree.map(jnp.zeros_like, tree))
 
 
 def _check_number(fn: str, name: str, value, valid: str, ok) -> float:

@@ -1,0 +1,116 @@
+"""The scaler at the edges: thousands of parameter leaves, and scales at both ends
+of the float32 range.
+
+* Compile cost must grow linearly with the number of leaves. The global finite
+  flag is read by a select on every leaf; combined carelessly (a chain of ``and``s),
+  XLA copies it into every fusion that reads it and the compiled program grows
+  with the square of the leaf count (minutes to compile a 100-leaf model). The
+  test reads the size of the compiled program rather than a time.
+* Unscaling must be exact over the whole float32 range of scales: above 2**126 a
+  single float32 reciprocal of the scale is subnormal, which backends flush to
+  zero, and the step would silently apply zero updates.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mpjax
+
+
+def _compiled_size(tx, n_leaves: int) -> int:
+    params = {f"p{i:04d}": jnp.ones((4, 3), jnp.float32) for i in range(n_leaves)}
+    state = tx.init(params)
+    text = jax.jit(tx.update).lower(params, state, params).compile().as_text()
+    return text.count("\n")
+
+
+def test_compiled_update_grows_linearly_with_the_number_of_leaves():
+    # At 200 leaves the quadratic program was over 100 times bare adam's size
+    # (and took minutes to compile); a linear one stays a small multiple.
+    bare = _compiled_size(optax.adam(1e-3), 200)
+    scaled = _compiled_size(mpjax.grad_scaler(optax.adam(1e-3)), 200)
+    assert scaled <= 4 * bare, (scaled, bare)
+    # ... and the per-leaf cost does not depend on how many leaves there are.
+    small = _compiled_size(mpjax.grad_scaler(optax.adam(1e-3)), 50)
+    assert scaled <= 4.5 * small, (scaled, small)
+
+
+def test_accumulating_update_grows_linearly_with_the_number_of_leaves():
+    bare = _compiled_size(optax.adam(1e-3), 200)
+    scaled = _compiled_size(mpjax.grad_scaler(optax.adam(1e-3), accumulation_steps=4), 200)
+    assert scaled <= 5 * bare, (scaled, bare)
+
+
+def _unscaled(scale: float, true_grads: np.ndarray) -> tuple[np.ndarray, bool]:
+    """What `static_scaler(sgd(1))` applies for gradients scaled by `scale`."""
+    tx = mpjax.static_scaler(optax.sgd(1.0), scale)
+    state = tx.init({"w": jnp.zeros(true_grads.shape)})
+    scaled = (true_grads.astype(np.float64) * np.float32(scale)).astype(np.float32)
+    updates, state = jax.jit(tx.update)({"w": jnp.asarray(scaled)}, state)
+    return -np.asarray(updates["w"]), bool(state.last_step_skipped)
+
+
+@pytest.mark.parametrize("scale", [2.0**127, 1.5 * 2.0**126, 2.0**100, 2.0**65, 3.0e38])
+def test_unscaling_is_exact_at_the_largest_scales(scale):
+    true = np.array([0.5, -0.25, 1.0e-20, 0.0], np.float32)
+    got, skipped = _unscaled(scale, true)
+    assert not skipped
+    scaled = (true.astype(np.float64) * np.float32(scale)).astype(np.float32)
+    # the exact quotient of the float32 scaled gradient, rounded once
+    expected = (scaled.astype(np.float64) / np.float64(np.float32(scale))).astype(np.float32)
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_allclose(got, true, rtol=2**-23)
+
+
+@pytest.mark.parametrize("scale", [2.0**64, 2.0**16, 1000.0, 1.1])
+def test_unscaling_is_torchs_single_multiply_up_to_2_to_the_64(scale):
+    rng = np.random.default_rng(0)
+    scaled = rng.standard_normal(64).astype(np.float32) * np.float32(scale)
+    tx = mpjax.static_scaler(optax.sgd(1.0), scale)
+    state = tx.init({"w": jnp.zeros(64)})
+    updates, _ = jax.jit(tx.update)({"w": jnp.asarray(scaled)}, state)
+    inv = np.float32(1.0 / np.float64(np.float32(scale)))  # torch: f32(1 / double(scale))
+    np.testing.assert_array_equal(-np.asarray(updates["w"]), scaled * inv)
+
+
+def test_growth_to_the_top_of_float32_keeps_applying_nonzero_updates():
+    # From the defaults, a long run of finite steps grows the scale towards
+    # float32's maximum; every step there must still move the parameters.
+    tx = mpjax.grad_scaler(optax.sgd(1.0), init_scale=2.0**120, growth_interval=1)
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for _ in range(10):
+        scale = float(state.scale)
+        scaled = {"w": jnp.asarray([0.75, -1.5], jnp.float32) * jnp.float32(scale)}
+        updates, state = update(scaled, state)
+        assert not bool(state.last_step_skipped)
+        np.testing.assert_array_equal(np.asarray(updates["w"]), [-0.75, 1.5])
+    assert float(state.scale) == 2.0**127  # growth refused at the top, not overflowed
+
+
+def test_unscaling_is_exact_at_the_smallest_scale():
+    # Scaled gradients that are normal float32 numbers unscale exactly; those
+    # below 2**-126 are flushed by the backend (see the loss-scaling docs).
+    true = np.array([1.5, -3.0, 3.0e30], np.float32)
+    got, skipped = _unscaled(2.0**-126, true)
+    assert not skipped
+    np.testing.assert_array_equal(got, true)
+
+
+def test_accumulated_scaled_gradients_do_not_overflow_before_torchs():
+    # Four micro-batches whose scaled gradients are each near float32's
+    # maximum: their sum overflows, their mean (what torch's recipe, dividing
+    # the loss by k, accumulates) does not.
+    k, scale = 4, 2.0**100
+    tx = mpjax.grad_scaler(optax.sgd(1.0), init_scale=scale, accumulation_steps=k)
+    state = tx.init({"w": jnp.zeros(2)})
+    update = jax.jit(tx.update)
+    micro = {"w": jnp.asarray([2.0**27, -(2.0**26)], jnp.float32) * jnp.float32(scale)}
+    for _ in range(k):
+        updates, state = update(micro, state)
+    assert not bool(state.last_step_skipped)
+    np.testing.assert_array_equal(np.asarray(updates["w"]), [-(2.0**27), 2.0**26])
