@@ -107,8 +107,8 @@ def grad_scaler(
 
     Wrap the whole ``optax.chain``: only a wrapper can skip a step exactly, and
     clipping inside it sees unscaled gradients. Two differences from torch, both
-    deliberate and explained in `mpjax.scaler`: the scale never falls below
-    ``min_scale``, and the finite check looks at the unscaled gradients.
+    deliberate (see `mpjax.scaler` or the Loss scaling guide): the scale never falls
+    below ``min_scale``, and the finite check looks at the unscaled gradients.
 
     Args:
       inner: the optimizer to wrap (any optax transformation or chain).
@@ -123,14 +123,17 @@ def grad_scaler(
         unchanged and ``inner``'s updates are always applied (the state keeps the
         same structure, so checkpoints are interchangeable).
       accumulation_steps: number k of micro-batches per effective batch. Each
-        ``update`` adds one micro-batch's scaled gradients to a float32 (or wider)
-        sum; the k-th unscales their mean, checks it, gives it to ``inner`` and
-        updates the scale, and the others return zero updates. The sum is reset by
-        selection, so an inf cannot poison the next effective batch.
-      axis_name: for ``update`` called inside ``shard_map`` or ``pmap`` on
-        per-device gradients: the mapped axis name (or names) over which the
-        finite check is combined, so every device makes the same skip decision.
-        Not needed under plain ``jit``, where the check is already global.
+        ``update`` call then takes one micro-batch's scaled gradients; their sum
+        is kept in float32 (or wider) and on the k-th call their mean (the sum
+        times float32 ``1/k``) is unscaled, checked and given to ``inner``, and
+        the scale is updated, once per effective batch. The other calls return
+        zero updates and change neither the scale nor ``inner``'s state. Unlike
+        ``optax.MultiSteps``, the accumulator is reset by selection, so an inf in
+        one effective batch cannot poison the next.
+      axis_name: for ``update`` called inside ``shard_map`` or ``pmap`` on per-device
+        gradients: the mapped axis name (or names) over which the finite check is
+        combined, so every device makes the same skip decision. Not needed under plain
+        ``jit`` with sharded arrays, where the check is already global.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
