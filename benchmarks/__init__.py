@@ -5,7 +5,8 @@
 Modules: `models` (the Flax GPT and ResNet), `variants` (float32, autocast,
 hand-cast), `memory` (vjp residuals), `stablehlo` (coverage of the lowered step),
 `timing` (CPU overheads), `gpu` (step time per variant, one process each),
-`report` (tables and targets), `cli` (the entry point).
+`report` (tables and targets), `compile_options` (XLA options and `jit` with
+them), `cli` (the entry point).
 """
 
 from benchmarks.cli import main

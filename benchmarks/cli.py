@@ -20,7 +20,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from benchmarks import gpu, memory, report, stablehlo, timing, variants
+from benchmarks import compile_options, gpu, memory, report, stablehlo, timing
 from benchmarks.models import SIZES
 from benchmarks.variants import VARIANTS, loss_fn, step_specs, train_step
 
@@ -204,14 +204,14 @@ def main(argv: list[str] | None = None) -> dict:
         )
         text = report.gpu_tables(out["gpu"])
     else:
-        saved = dict(variants.COMPILER_OPTIONS)
+        saved = dict(compile_options.COMPILER_OPTIONS)
         if mode == "smoke":
-            variants.COMPILER_OPTIONS.update(variants.FAST_COMPILE)
+            compile_options.COMPILER_OPTIONS.update(compile_options.FAST_COMPILE)
         try:
             out.update(cpu_benchmarks(mode, log))
         finally:  # main() may run inside a test session: leave no setting behind
-            variants.COMPILER_OPTIONS.clear()
-            variants.COMPILER_OPTIONS.update(saved)
+            compile_options.COMPILER_OPTIONS.clear()
+            compile_options.COMPILER_OPTIONS.update(saved)
         out["targets"] = report.targets(out)
         text = report.cpu_tables(out)
     out["meta"]["seconds"] = time.perf_counter() - start

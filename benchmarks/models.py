@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from benchmarks.compile_options import jit
+
 Dtype = Any
 
 
@@ -233,8 +235,6 @@ class ModelSpec:
     def init(self, seed: int = 0):
         """Float32 parameters (cached per size and seed: compiling init costs seconds)."""
         inputs = jnp.zeros(self.batch_spec()["inputs"].shape, self.batch_spec()["inputs"].dtype)
-        from benchmarks.variants import jit  # the benchmarks' compiler options
-
         return jit(self.module().init)(jax.random.key(seed), inputs)
 
     def describe(self) -> str:

@@ -16,9 +16,10 @@ import jax
 import numpy as np
 
 import mpjax
-from benchmarks import variants
+from benchmarks import compile_options
 from benchmarks.models import ModelSpec
-from benchmarks.variants import VARIANTS, forward, jit, loss_fn, step_specs, train_step
+from benchmarks.compile_options import jit
+from benchmarks.variants import VARIANTS, forward, loss_fn, step_specs, train_step
 
 
 def interleaved(
@@ -53,7 +54,7 @@ def compile_times(spec: ModelSpec, variant_name: str) -> dict[str, float]:
     t1 = time.perf_counter()
     lowered = traced.lower()
     t2 = time.perf_counter()
-    lowered.compile(compiler_options=dict(variants.COMPILER_OPTIONS) or None)
+    lowered.compile(compiler_options=dict(compile_options.COMPILER_OPTIONS) or None)
     t3 = time.perf_counter()
     return dict(trace=t1 - t0, lower=t2 - t1, compile=t3 - t2, total=t3 - t0)
 

@@ -21,17 +21,6 @@ from benchmarks.models import ModelSpec, cross_entropy
 
 F16, BF16 = jnp.float16, jnp.bfloat16
 
-COMPILER_OPTIONS: dict = {}
-"""XLA options for every compilation the benchmarks make. --smoke sets options that
-compile about 3x faster (and run slower), since it measures nothing that matters."""
-
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def jit(fun: Callable, **kwargs) -> Callable:
-    """`jax.jit` with `COMPILER_OPTIONS`."""
-    return jax.jit(fun, compiler_options=dict(COMPILER_OPTIONS) or None, **kwargs)
-
 
 @dataclasses.dataclass(frozen=True)
 class Variant:

@@ -3,9 +3,10 @@
 `docs/policy.md` holds the prose and a marker, ``<!-- mpjax:policy-tables -->``.
 At build time the marker is replaced by tables generated from `mpjax.policy`
 (which primitive runs in which precision) and `mpjax.interpreter.HIGHER_ORDER`
-(the primitives the interpreter recurses into), so the page cannot drift from
-the code. The group headings inside each table ("exponentials and logarithms")
-are the comments written in `mpjax/policy.py`, read with `tokenize`.
+(the primitives the interpreter recurses into, their rules registered by
+`mpjax/control_flow.py`), so the page cannot drift from the code. The group
+headings inside each table ("exponentials and logarithms") are the comments
+written in `mpjax/policy.py`, read with `tokenize`.
 
 Anything unexpected (a marker missing, a table the page does not describe, a
 name in the source that is not in the table) raises, which fails the build.
@@ -209,7 +210,8 @@ def policy_markdown() -> str:
     out.append("## Higher-order primitives\n")
     out.append(
         "These are not policy. The interpreter recurses into their bodies and "
-        "applies the tables inside (`mpjax.interpreter.HIGHER_ORDER`):\n"
+        "applies the tables inside (`mpjax.interpreter.HIGHER_ORDER`; the rules are in "
+        "`mpjax/control_flow.py`):\n"
     )
     out.append("| primitives | handled by | what it does |\n|---|---|---|")
     by_handler: dict = {}

@@ -6,8 +6,8 @@
 * `audit`: what ran in which precision.
 """
 
+from mpjax._autocast import autocast
 from mpjax.audit import AuditReport, Equation, audit
-from mpjax.interpreter import autocast
 from mpjax.policy import Rule, rule_for
 from mpjax.scaler import (
     GradScalerState,

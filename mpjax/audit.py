@@ -12,7 +12,7 @@ import numpy as np
 
 from mpjax import _compat
 from mpjax import policy
-from mpjax.interpreter import trace_arrays
+from mpjax._autocast import trace_arrays
 
 _MATMULS = frozenset(policy.LOW_PRECISION)
 

@@ -8,7 +8,7 @@ traced (`Rule.ORIGINAL`), which is always type-correct.
 
 Higher-order primitives (``jit``, ``scan``, ``while``, ``cond``, ``remat``,
 ``custom_jvp_call``, ``shard_map``) are not policy: the interpreter recurses
-into them (see ``mpjax/interpreter.py``).
+into them (see ``mpjax/control_flow.py``).
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ import optax
 import pytest
 from jax import lax
 
+from mpjax._float32 import _mul_f32_by_f64
 from mpjax.scaler import (
     GradScalerState,
-    _mul_f32_by_f64,
     get_scale,
     grad_scaler,
     noop_scaler,

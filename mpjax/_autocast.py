@@ -1,0 +1,236 @@
+"""`autocast`: re-evaluates a traced program under the precision policy.
+
+The wrapped function is traced to a jaxpr (`trace_arrays`), and the jaxpr is
+evaluated by `mpjax.interpreter`, equation by equation, binding each primitive
+again on inputs cast as `mpjax.policy` says. This module holds the public
+transform: its argument checks, how it nests (a named scope per call, which the
+interpreter reads back as the equations' region), and Flax NNX state.
+
+(A module named `autocast` would shadow the function `mpjax.autocast` for the API
+reference's tools, which then show the module: hence the underscore.)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpjax import _compat
+from mpjax import _nnx
+from mpjax import control_flow  # noqa: F401  (registers the higher-order rules)
+from mpjax import policy
+from mpjax import policy as policy_module  # `policy` is also autocast's argument
+from mpjax._casting import F32
+from mpjax.interpreter import Context, Region, Scope, eval_jaxpr
+
+POLICIES = ("torch", "lean")
+
+
+def _check_dtype(dtype) -> np.dtype:
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved not in policy.LOW_DTYPES:
+        raise ValueError(
+            f"autocast(dtype={dtype!r}): dtype must be jnp.float16 or jnp.bfloat16, "
+            "the precision that matrix products run in. To run a region in float32, "
+            "use autocast(fun, enabled=False)."
+        )
+    return resolved
+
+
+def _check_reduce_dtype(reduce_dtype, low: np.dtype) -> bool:
+    """Validates `reduce_dtype`; returns whether gradients are summed in `low`."""
+    try:
+        resolved = None if reduce_dtype is None else np.dtype(reduce_dtype)
+    except TypeError:
+        resolved = None
+    if resolved not in (F32, low):
+        raise ValueError(
+            f"autocast(reduce_dtype={reduce_dtype!r}): reduce_dtype must be jnp.float32 "
+            f"(the default: weight gradients summed and all-reduced in float32) or "
+            f"jnp.{low.name}, the autocast dtype (all-reduced in 16 bits, half the bandwidth)."
+        )
+    return resolved == low
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def autocast(
+    fun: Callable | None = None,
+    *,
+    dtype=jnp.float16,
+    enabled: bool = True,
+    policy: str = "torch",
+    reduce_dtype=jnp.float32,
+):
+    """Runs `fun` in mixed precision, like ``torch.autocast``.
+
+    Matrix products and convolutions run in `dtype`; transcendental functions and
+    reductions run in float32; operations with several floating inputs run in the
+    widest of them; everything else runs in the dtype it receives. The tables are
+    in `mpjax.policy`. Results keep the dtypes `fun` returns without autocast, so
+    ``autocast(fun)`` is a drop-in replacement for `fun`.
+
+    Array arguments are traced; every other leaf of the arguments (Python bools,
+    ints, floats, strings) is passed to `fun` as it is, so it may steer Python
+    control flow. Flax NNX modules may be passed too: what `fun` writes to them
+    (BatchNorm statistics, RNG counters) is kept, at the variables' own dtypes.
+
+    Calls nest: inside an autocast function, ``autocast(g, enabled=False)`` runs
+    `g` exactly as written and ``autocast(g, dtype=jnp.bfloat16)`` runs it in
+    bfloat16.
+
+    Args:
+      fun: the function to transform. Omit it to use ``autocast(dtype=...)`` as a
+        decorator.
+      dtype: ``jnp.float16`` (default) or ``jnp.bfloat16``.
+      enabled: if False, `fun` runs as written (and so does any region nested in
+        it that does not enable autocast again).
+      policy: ``"torch"`` (default) hands on the dtype each operation computes in,
+        as ``torch.autocast`` does: a float32-list operation returns float32, and a
+        float32 bias promotes the activation it is added to. ``"lean"`` keeps
+        activations in `dtype` between operations, as a model written with Flax's
+        ``dtype=`` does: float32-list operations compute in float32 and return
+        `dtype` (rematerialized, so no float32 copy is kept for the backward
+        pass); reductions stay float32; the largest operand of a multi-input
+        operation sets its precision; embedding lookups gather from a
+        low-precision table. It keeps fewer and smaller activations, at the cost
+        of rounding more intermediate results to 16 bits.
+      reduce_dtype: the dtype gradients of float32 values (the weights) are summed
+        in, as torch FSDP's ``reduce_dtype``. ``jnp.float32`` (default): a matrix
+        product with a float32 input keeps its float32 result and rounds it to
+        `dtype` afterwards (the same forward value), so in the backward pass its
+        weight gradient is summed over the batch in float32, and data-parallel
+        ``jit`` all-reduces it in float32, not in 16 bits. Pass `dtype` itself to
+        all-reduce in 16 bits, for half the bandwidth. Convolutions always
+        produce `dtype` results.
+
+    Returns:
+      A function with the signature of `fun`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, mpjax
+      >>> def loss(w, x):
+      ...     return jnp.mean(jnp.tanh(x @ w) ** 2)
+      >>> w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
+      >>> grads = jax.grad(mpjax.autocast(loss))(w, x)
+      >>> grads.dtype  # gradients of float32 parameters stay float32
+      dtype('float32')
+    """
+    low, reduce_low = _check_options(dtype, enabled, policy, reduce_dtype)
+    if fun is None:
+        return functools.partial(
+            autocast, dtype=low, enabled=enabled, policy=policy, reduce_dtype=reduce_dtype
+        )
+    _check_fun(fun)
+    region = Region(low if enabled else None, enabled and policy == "lean", reduce_low)
+    return _wrap(fun, region, enabled)
+
+
+def _check_options(dtype, enabled, policy, reduce_dtype) -> tuple[np.dtype, bool]:
+    """Validates autocast's keyword arguments; returns the low dtype and `reduce_low`."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"autocast(enabled={enabled!r}): enabled must be a Python bool.")
+    low = _check_dtype(dtype)
+    if policy not in POLICIES:
+        raise ValueError(f"autocast(policy={policy!r}): policy must be one of {POLICIES}.")
+    return low, _check_reduce_dtype(reduce_dtype, low)
+
+
+def _check_fun(fun) -> None:
+    if isinstance(fun, type) and policy_module.is_castable(fun):
+        raise TypeError(
+            f"autocast(fun): got the dtype {np.dtype(fun).name} as the function; pass the "
+            f"dtype by keyword: autocast(dtype=jnp.{np.dtype(fun).name}) or "
+            f"autocast(fun, dtype=jnp.{np.dtype(fun).name})."
+        )
+    if not callable(fun):
+        raise TypeError(
+            f"autocast(fun): fun must be callable, got {type(fun).__name__}. Wrap the "
+            "function that computes your loss: autocast(loss_fn)(params, batch), or use "
+            "@autocast / @autocast(dtype=jnp.bfloat16) as a decorator."
+        )
+
+
+def _wrap(fun, region: Region, enabled: bool):
+    """`fun` run under `region`, in a named scope that nested calls read back."""
+
+    @functools.wraps(fun)
+    def wrapped(*args, **kwargs):
+        with jax.named_scope(region.scope_name):
+            if not enabled:
+                return fun(*args, **kwargs)
+            if _nnx.has_nnx_objects((args, kwargs)):
+                return _nnx.call_with_state(
+                    lambda pure, state_args: _autocast_call(pure, region, state_args, {}),
+                    fun,
+                    args,
+                    kwargs,
+                )
+            return _autocast_call(fun, region, args, kwargs)
+
+    # Lets `audit` count the casts autocast adds. Stored with `wrapped` itself, since
+    # functools.wraps in other transforms (jax.grad) copies attributes onward.
+    wrapped.__mpjax_autocast__ = (wrapped, fun)
+    return wrapped
+
+
+_STATIC_HINT = (
+    "mpjax.autocast traces `fun` with its array arguments abstract, so Python "
+    "control flow (if, while, bool(), int()) must not depend on array values. Pass "
+    "such flags as Python bools or ints (autocast hands non-array arguments to `fun` "
+    "unchanged), close over them, or use lax.cond / jnp.where."
+)
+
+
+def trace_arrays(fun, args, kwargs):
+    """Traces ``fun(*args, **kwargs)`` with the array leaves abstract.
+
+    Every other leaf (Python scalars, strings, None) is passed to `fun` as it is.
+    Returns the closed jaxpr, the output shapes, and the array leaves.
+    """
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+    def flat_fun(*dynamic_leaves):
+        full = list(leaves)
+        for i, x in zip(dynamic, dynamic_leaves):
+            full[i] = x
+        a, k = jax.tree.unflatten(treedef, full)
+        return fun(*a, **k)
+
+    dynamic_leaves = [leaves[i] for i in dynamic]
+    try:
+        closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dynamic_leaves)
+    except Exception as e:
+        # Python control flow or shapes depending on an array: say how to fix it.
+        if isinstance(
+            e,
+            (
+                jax.errors.ConcretizationTypeError,
+                jax.errors.TracerBoolConversionError,
+                jax.errors.TracerIntegerConversionError,
+            ),
+        ) or "Traced<" in str(e):
+            e.add_note(_STATIC_HINT)
+        raise
+    return closed, out_shape, dynamic_leaves
+
+
+def _autocast_call(fun, region: Region, args, kwargs):
+    closed, out_shape, dynamic_leaves = trace_arrays(fun, args, kwargs)
+    jaxpr, consts = _compat.jaxpr_and_consts(closed)
+    ctx = Context(region, Scope())
+    outs, _ = eval_jaxpr(ctx, jaxpr, consts, dynamic_leaves, [False] * len(dynamic_leaves))
+    out_leaves, out_tree = jax.tree.flatten(out_shape)
+    # jnp.asarray: an output that is a literal comes back a jax.Array, as from `fun`.
+    outs = [jnp.asarray(ctx.scope.cast(o, s.dtype)) for o, s in zip(outs, out_leaves)]
+    return jax.tree.unflatten(out_tree, outs)

@@ -1,0 +1,216 @@
+"""What one ``update`` of the loss scaler does, and the scale update rule.
+
+`update` unscales the gradients (the mean of the micro-batches with
+``accumulation_steps > 1``), checks them, runs the wrapped optimizer and keeps or
+discards its step by selection, then moves the scale with `_next_scale`, torch's
+``_amp_update_scale_``. The transformations that use it are in `mpjax.scaler`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mpjax._float32 import _mul_f32_by_f64, reciprocal
+
+
+class ScalerConfig(NamedTuple):
+    """The settings of one scaler, checked by its constructor in `mpjax.scaler`."""
+
+    init_scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    min_scale: float
+    dynamic: bool
+    """False for `static_scaler`: the scale never changes."""
+    enabled: bool
+    """False for `noop_scaler`: no unscaling, no checks, no skipping."""
+    accumulation_steps: int
+    axis_name: Hashable | Sequence[Hashable] | None
+
+
+def update(inner, config: ScalerConfig, grads, state, params, extra):
+    """The scaler's ``update`` on the scaled gradients of one (micro-)batch."""
+    if config.accumulation_steps == 1:
+        return _step(inner, config, _unscale(config, grads, grads, state), state, params, extra)
+    return _accumulate(inner, config, grads, state, params, extra)
+
+
+def _accumulate(inner, config: ScalerConfig, grads, state, params, extra):
+    """Adds a micro-batch's gradients; the last of an effective batch takes the step."""
+    k = config.accumulation_steps
+    # Each micro-batch is divided by k before it is added, as torch's recipe
+    # divides the loss: the sum then overflows only where torch's would. Written
+    # as the product XLA turns a division by a constant into anyway, so the
+    # result is the same on every backend.
+    total = jax.tree.map(
+        lambda acc, g: acc + g.astype(acc.dtype) * jnp.asarray(1.0 / k, acc.dtype)
+        if _is_inexact(g)
+        else acc,
+        state.grad_accumulator,
+        grads,
+    )
+    micro_step = state.micro_step + 1
+    last_micro_step = micro_step == k
+    step_updates, step_state = _step(
+        inner, config, _unscale(config, total, grads, state), state, params, extra
+    )
+    # Selection, as in optax.MultiSteps: inner's update is computed on every
+    # micro-batch and kept on the last. (lax.cond would skip that work, but
+    # inside shard_map its branches must agree on device variance, which the
+    # zeros of the other branch cannot know.)
+    new_updates = _zeros_unless(last_micro_step, step_updates)
+    new_state = _select(last_micro_step, step_state, state)
+    # Reset by selection: a multiplication (optax.MultiSteps) would turn an inf
+    # into a NaN that poisons every later effective batch.
+    accumulator = _select(last_micro_step, jax.tree.map(jnp.zeros_like, total), total)
+    return new_updates, new_state._replace(
+        micro_step=jnp.where(last_micro_step, 0, micro_step).astype(jnp.int32),
+        grad_accumulator=accumulator,
+    )
+
+
+def _step(inner, config: ScalerConfig, grads, state, params, extra):
+    """One effective step on unscaled `grads`: check, skip or apply, rescale."""
+    if not config.enabled:
+        updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
+        return updates, state._replace(inner_state=inner_state)
+    finite = _all_finite_everywhere(config, grads)
+    # inner runs on zeros when skipping: its result is discarded anyway, and
+    # this way no inf or NaN is computed inside it (jax_debug_nans stays quiet).
+    grads = _zeros_unless(finite, grads)
+    updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
+    # inner may itself produce a non-finite update from finite gradients (adam
+    # with eps=0 on zero gradients): that step is skipped too, so parameters
+    # never become non-finite. The scale is not at fault and is not backed off.
+    applied = finite & _all_finite_everywhere(config, updates)
+    # Selection is exact, so a skipped step leaves inner's state bit for bit.
+    updates = _zeros_unless(applied, updates)
+    inner_state = _select(applied, inner_state, state.inner_state)
+    if config.dynamic:
+        scale, tracker = _next_scale(
+            state.scale,
+            state.growth_tracker,
+            finite,
+            growth_factor=config.growth_factor,
+            backoff_factor=config.backoff_factor,
+            growth_interval=config.growth_interval,
+            min_scale=config.min_scale,
+        )
+    else:
+        scale, tracker = state.scale, state.growth_tracker
+    skipped = jnp.logical_not(applied)
+    return updates, state._replace(
+        scale=scale,
+        growth_tracker=tracker,
+        skipped_steps=state.skipped_steps + skipped.astype(jnp.int32),
+        last_step_skipped=skipped,
+        inner_state=inner_state,
+    )
+
+
+def _unscale(config: ScalerConfig, grads, like, state):
+    """`grads` unscaled, in `like`'s dtypes."""
+    if config.enabled:
+        inv_scale, inv_tail = reciprocal(state.scale)
+
+    def one(g, ref):
+        if not _is_inexact(ref):
+            return ref
+        g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
+        if config.enabled:
+            g = g * inv_scale * inv_tail
+        return g.astype(ref.dtype)
+
+    return jax.tree.map(one, grads, like)
+
+
+def _all_finite_everywhere(config: ScalerConfig, tree):
+    finite = _all_finite(tree)
+    if config.axis_name is not None:
+        # Every device must take the same branch, or replicas drift apart.
+        finite = lax.psum(jnp.logical_not(finite).astype(jnp.int32), config.axis_name) == 0
+    return finite
+
+
+# --------------------------------------------------------------------------
+# The scale update rule.
+
+
+def _next_scale(
+    scale, tracker, finite, *, growth_factor, backoff_factor, growth_interval, min_scale
+):
+    """torch's ``_amp_update_scale_``, with the scale floored at `min_scale`.
+
+    On a skipped step the scale is multiplied by ``backoff_factor`` and the growth
+    tracker resets; after ``growth_interval`` finite steps in a row it is
+    multiplied by ``growth_factor`` (unless that overflows float32: growth
+    refused) and the tracker resets. Products are computed as torch computes
+    them, in double precision rounded to float32, bit for bit, without float64
+    (see ``_mul_f32_by_f64``). Everything is ``jnp.where``: no host sync, jit-safe.
+    """
+    # A NaN or inf scale (only a corrupted checkpoint makes one) restarts from
+    # the floor instead of skipping, or zeroing, every later step.
+    scale = jnp.where(jnp.isfinite(scale), scale, jnp.float32(min_scale))
+    successful = tracker + 1
+    grow = successful == growth_interval  # equality, as torch: not >=
+    grown = _mul_f32_by_f64(scale, growth_factor)
+    grown = jnp.where(jnp.isfinite(grown), grown, scale)  # growth refused at the top
+    backed_off = jnp.maximum(_mul_f32_by_f64(scale, backoff_factor), jnp.float32(min_scale))
+    new_scale = jnp.where(finite, jnp.where(grow, grown, scale), backed_off)
+    # The tracker resets on growth even when growth was refused, as torch's does.
+    new_tracker = jnp.where(finite & ~grow, successful, 0).astype(jnp.int32)
+    return new_scale.astype(jnp.float32), new_tracker
+
+
+# --------------------------------------------------------------------------
+# Small utilities.
+
+
+def _is_inexact(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def accumulator_dtype(p):
+    return jnp.promote_types(jnp.result_type(p), jnp.float32)
+
+
+def _all_finite(tree) -> jax.Array:
+    """Whether every inexact leaf of `tree` is finite, as a bool scalar.
+
+    One reduction per leaf, combined by one more reduction (a float32 min of
+    their stack). Combined with ``&`` instead, the flag is a chain of cheap
+    scalar ops that XLA copies into every fusion reading it (every select of
+    the step), so compile time grew with the square of the number of leaves;
+    a reduction is never copied.
+    """
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree) if _is_inexact(x)]
+    if len(flags) <= 1:
+        return flags[0] if flags else jnp.array(True)
+    return jnp.min(jnp.stack(flags).astype(jnp.float32)) > 0
+
+
+def _select(pred: jax.Array, on_true, on_false):
+    """``jnp.where(pred, on_true, on_false)`` leaf by leaf, for a bool scalar `pred`.
+
+    One ``select_n`` per leaf: ``jnp.where`` wraps each call in a nested jit,
+    which costs trace and compile time on trees of thousands of leaves.
+    """
+
+    def one(t, f):
+        t, f = jnp.asarray(t), jnp.asarray(f)
+        if t.dtype != f.dtype or t.shape != f.shape:  # rare: an inner that retypes its state
+            return jnp.where(pred, t, f)
+        return lax.select_n(lax.broadcast(pred, t.shape), f, t)
+
+    return jax.tree.map(one, on_true, on_false)
+
+
+def _zeros_unless(pred: jax.Array, tree):
+    """`tree` where `pred`, zeros of the same shapes and dtypes elsewhere."""
+    return _select(pred, tree, jax.tree.map(jnp.zeros_like, tree))

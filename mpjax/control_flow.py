@@ -1,0 +1,288 @@
+"""The rules of the higher-order primitives: nested jit, remat, shard_map,
+custom_jvp, cond, scan and while.
+
+Each rule rebuilds its primitive around bodies that the interpreter evaluates
+under the same policy (`mpjax.interpreter.eval_jaxpr`), so the casts inside a
+body obey the tables too. Loop rules fix each carry at a dtype the body maps to
+itself, and hoist casts of loop-invariant values out of the loop. The table at
+the end registers each rule under its primitive's name: adding a primitive is
+one line there.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from mpjax import _compat
+from mpjax import policy
+from mpjax._casting import dtype_of
+from mpjax.interpreter import HIGHER_ORDER, Context, Scope, eval_closed, eval_jaxpr
+
+
+def _inline_call(ctx: Context, eqn, vals, weak):
+    """A nested jit is inlined, so its casts share the caller's scope."""
+    closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    with jax.named_scope(eqn.params.get("name", eqn.primitive.name)):
+        outs, _ = eval_closed(ctx, closed, vals, weak)
+    return outs
+
+
+def _remat(ctx: Context, eqn, vals, weak):
+    """jax.checkpoint: rebuilt around the autocast body, its policy kept."""
+
+    def body(*args):
+        outs, _ = eval_closed(ctx.child(), eqn.params["jaxpr"], list(args), weak)
+        return outs
+
+    checkpointed = jax.checkpoint(
+        body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"]
+    )
+    return list(checkpointed(*vals))
+
+
+def _shard_map(ctx: Context, eqn, vals, weak):
+    """shard_map: rebuilt around the autocast body, mesh and specs kept."""
+
+    def body(*args):
+        outs, _ = eval_closed(ctx.child(), eqn.params["jaxpr"], list(args), weak)
+        return tuple(outs)
+
+    return list(jax.shard_map(body, **_compat.shard_map_kwargs(eqn.params))(*vals))
+
+
+def _custom_jvp(ctx: Context, eqn, vals, weak):
+    """Rebuilt as a new custom_jvp whose primal and rule are both autocast.
+
+    Primal outputs of the rule are cast to the primal function's output dtypes
+    and tangents to the matching tangent dtypes, as custom_jvp requires.
+    """
+    params = eqn.params
+    n_consts = params["num_consts"]
+    rule, rule_consts, out_zeros = _compat.custom_jvp_rule(params, len(vals) - n_consts)
+
+    def primal(*args):
+        outs, _ = eval_closed(ctx.child(), params["call_jaxpr"], list(args), weak)
+        return outs
+
+    def jvp(primals, tangents):
+        out_avals = jax.eval_shape(primal, *primals)
+        n_args = len(primals) - n_consts
+        child = ctx.child()
+        outs, _ = eval_jaxpr(
+            child,
+            rule,
+            rule_consts,
+            [*primals[n_consts:], *tangents[n_consts:]],
+            [*weak[n_consts:], *[False] * n_args],
+        )
+        n = len(out_avals)
+        nonzero = iter(outs[n:])
+        tangent_outs = [
+            jnp.zeros(a.shape, a.dtype) if z else next(nonzero)
+            for a, z in zip(out_avals, out_zeros)
+        ]
+        primal_outs = [child.scope.cast(o, a.dtype) for o, a in zip(outs[:n], out_avals)]
+        tangent_outs = [child.scope.cast(t, a.dtype) for t, a in zip(tangent_outs, out_avals)]
+        return primal_outs, tangent_outs
+
+    rebuilt = jax.custom_jvp(primal)
+    rebuilt.defjvp(lambda primals, tangents: jvp(list(primals), list(tangents)))
+    return list(rebuilt(*vals))
+
+
+def _cond(ctx: Context, eqn, vals, weak):
+    """Each branch is autocast; outputs are cast to the widest across branches."""
+    index, ops = vals[0], vals[1:]
+    ops_weak = weak[1:]
+    branches = eqn.params["branches"]
+
+    def branch_fn(closed, out_dtypes=None):
+        def fn(*args):
+            child = ctx.child()
+            outs, _ = eval_closed(child, closed, list(args), ops_weak)
+            if out_dtypes is None:
+                return outs
+            return [child.scope.cast(o, d) for o, d in zip(outs, out_dtypes)]
+
+        return fn
+
+    per_branch = [jax.eval_shape(branch_fn(b), *ops) for b in branches]
+    out_dtypes = [_join([a.dtype for a in avals]) for avals in zip(*per_branch)]
+    return list(lax.switch(index, [branch_fn(b, out_dtypes) for b in branches], *ops))
+
+
+def _join(dtypes):
+    if all(d == dtypes[0] for d in dtypes):
+        return dtypes[0]
+    return policy.widest(dtypes)
+
+
+def _fix_carry(ctx: Context, init, init_weak, probe) -> tuple[list, Scope]:
+    """Carry dtypes that the loop body maps to themselves.
+
+    `probe(dtypes)` evaluates the body abstractly and returns the carry-out
+    dtypes and the probing scope. A carry starts at its initial dtype; a weak
+    initial value (``jnp.zeros``) adopts the body's output dtype once, so an RNN
+    state started from zeros stays in low precision; after that a carry only
+    widens, so the search ends.
+    """
+    dtypes = [dtype_of(x) for x in init]
+    for step in range(len(dtypes) + 3):
+        out_dtypes, scope = probe(dtypes)
+        new = []
+        for d, o, w in zip(dtypes, out_dtypes, init_weak):
+            if d == o or not (policy.is_castable(d) and policy.is_castable(o)):
+                new.append(d)
+            elif w and step == 0:
+                new.append(o)
+            else:
+                new.append(policy.widest([d, o]))
+        if new == dtypes:
+            return dtypes, scope
+        dtypes = new
+    raise AssertionError("autocast: loop carry dtypes did not converge")  # unreachable
+
+
+def _hoist(ctx: Context, scope: Scope) -> None:
+    """Makes the casts a loop body asked of loop-invariant values, outside it."""
+    for value, dtype, weak in scope.requests:
+        ctx.scope.cast(value, dtype, weak)
+
+
+def _scan(ctx: Context, eqn, vals, weak):
+    """scan: rebuilt with carries at fixed dtypes, loop-invariant casts hoisted.
+
+    Casts of the scanned-over inputs (a stacked layer's weights) are made once,
+    on the whole stack, and scanned over beside the originals.
+    """
+    params = eqn.params
+    n_consts, n_carry = _compat.scan_counts(params)
+    consts, init, xs = (
+        vals[:n_consts],
+        vals[n_consts : n_consts + n_carry],
+        vals[n_consts + n_carry :],
+    )
+    consts_weak, init_weak, xs_weak = (
+        weak[:n_consts],
+        weak[n_consts : n_consts + n_carry],
+        weak[n_consts + n_carry :],
+    )
+    jaxpr, jaxpr_consts = _compat.jaxpr_and_consts(params["jaxpr"])
+    body_weak = [*consts_weak, *[False] * n_carry, *xs_weak]
+
+    def run_body(scope_ctx, carry, x_slices):
+        outs, _ = eval_jaxpr(
+            scope_ctx, jaxpr, jaxpr_consts, [*consts, *carry, *x_slices], body_weak
+        )
+        return outs[:n_carry], outs[n_carry:]
+
+    xs_avals = [jax.ShapeDtypeStruct(np.shape(x)[1:], dtype_of(x)) for x in xs]
+    slice_ids: dict[int, int] = {}
+
+    def probe(carry_dtypes):
+        child = ctx.child(invariant=consts)
+
+        def fn(carry, x_slices):
+            slice_ids.clear()
+            slice_ids.update({id(s): i for i, s in enumerate(x_slices)})
+            child.scope._invariant |= set(slice_ids)
+            return run_body(child, carry, x_slices)[0]
+
+        carry_avals = [jax.ShapeDtypeStruct(np.shape(c), d) for c, d in zip(init, carry_dtypes)]
+        out = jax.eval_shape(fn, carry_avals, xs_avals)
+        return [a.dtype for a in out], child.scope
+
+    carry_dtypes, probe_scope = _fix_carry(ctx, init, init_weak, probe)
+
+    # Casts of whole xs are made once, outside the loop, and scanned over.
+    hoisted_xs = []
+    const_requests = []
+    for value, dtype, w in probe_scope.requests:
+        if id(value) in slice_ids:
+            i = slice_ids[id(value)]
+            hoisted_xs.append((i, dtype, ctx.scope.cast(xs[i], dtype, w)))
+        else:
+            const_requests.append((value, dtype, w))
+    probe_scope.requests = const_requests
+    _hoist(ctx, probe_scope)
+
+    def body(carry, x_all):
+        x_slices, extra = x_all[: len(xs)], x_all[len(xs) :]
+        child = ctx.child()
+        for (i, dtype, _), cast_slice in zip(hoisted_xs, extra):
+            child.scope.seed(x_slices[i], dtype, cast_slice)
+        new_carry, ys = run_body(child, carry, x_slices)
+        return [child.scope.cast(c, d) for c, d in zip(new_carry, carry_dtypes)], ys
+
+    init = [ctx.scope.cast(c, d, w) for c, d, w in zip(init, carry_dtypes, init_weak)]
+    carry, ys = lax.scan(
+        body,
+        init,
+        [*xs, *(h[2] for h in hoisted_xs)],
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params["unroll"],
+    )
+    return [*carry, *ys]
+
+
+def _while(ctx: Context, eqn, vals, weak):
+    """while_loop: rebuilt with carries at fixed dtypes, loop-invariant casts hoisted."""
+    params = eqn.params
+    nc, nb = params["cond_nconsts"], params["body_nconsts"]
+    cond_consts, body_consts, init = vals[:nc], vals[nc : nc + nb], vals[nc + nb :]
+    cond_weak, body_weak, init_weak = weak[:nc], weak[nc : nc + nb], weak[nc + nb :]
+    n_carry = len(init)
+
+    def run_body(scope_ctx, carry):
+        outs, _ = eval_closed(
+            scope_ctx,
+            params["body_jaxpr"],
+            [*body_consts, *carry],
+            [*body_weak, *[False] * n_carry],
+        )
+        return outs
+
+    def probe(carry_dtypes):
+        child = ctx.child(invariant=body_consts)
+        carry_avals = [jax.ShapeDtypeStruct(np.shape(c), d) for c, d in zip(init, carry_dtypes)]
+        out = jax.eval_shape(lambda c: run_body(child, c), carry_avals)
+        return [a.dtype for a in out], child.scope
+
+    carry_dtypes, probe_scope = _fix_carry(ctx, init, init_weak, probe)
+    _hoist(ctx, probe_scope)
+
+    def cond_fn(carry):
+        outs, _ = eval_closed(
+            ctx.child(),
+            params["cond_jaxpr"],
+            [*cond_consts, *carry],
+            [*cond_weak, *[False] * n_carry],
+        )
+        return outs[0]
+
+    def body_fn(carry):
+        child = ctx.child()
+        return [child.scope.cast(c, d) for c, d in zip(run_body(child, carry), carry_dtypes)]
+
+    init = [ctx.scope.cast(c, d, w) for c, d, w in zip(init, carry_dtypes, init_weak)]
+    return list(lax.while_loop(cond_fn, body_fn, init))
+
+
+# The table: primitive name -> rule. custom_vjp_call is deliberately absent: it
+# runs as written at its original input dtypes (`Rule.ORIGINAL`), so the user's
+# backward rule stays exact.
+HIGHER_ORDER["jit"] = _inline_call
+HIGHER_ORDER["pjit"] = _inline_call
+HIGHER_ORDER["closed_call"] = _inline_call
+HIGHER_ORDER["core_call"] = _inline_call
+HIGHER_ORDER["remat2"] = _remat
+HIGHER_ORDER["checkpoint"] = _remat
+HIGHER_ORDER["shard_map"] = _shard_map
+HIGHER_ORDER["custom_jvp_call"] = _custom_jvp
+HIGHER_ORDER["cond"] = _cond
+HIGHER_ORDER["scan"] = _scan
+HIGHER_ORDER["while"] = _while

@@ -1,0 +1,300 @@
+"""The loss scaler's state, and the helpers that read or change it in an opt_state.
+
+`GradScalerState` is what `grad_scaler`, `static_scaler` and `noop_scaler` keep in
+the optimizer state. The helpers find it wherever it sits (inside
+``optax.chain``, ``optax.MultiSteps``, ``optax.inject_hyperparams``,
+``optax.multi_transform``, a ``flax.nnx.Optimizer``) and give torch's
+``get_scale()``, ``update(new_scale)`` and ``scale(loss)``, a scaled
+``value_and_grad``, and the numbers to log. `mpjax.scaler` re-exports them all.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mpjax._float32 import MIN_NORMAL_F32
+
+__all__ = [
+    "GradScalerState",
+    "get_scale",
+    "set_scale",
+    "scale_loss",
+    "scaled_value_and_grad",
+    "scaler_stats",
+]
+
+
+class GradScalerState(NamedTuple):
+    """State of `grad_scaler`, `static_scaler` and `noop_scaler`.
+
+    Attributes:
+      scale: float32 scalar, the factor the loss is multiplied by.
+      growth_tracker: int32 scalar, consecutive finite (effective) steps since
+        the last growth or skip (torch's ``_growth_tracker``).
+      skipped_steps: int32 scalar, total number of (effective) steps skipped
+        because their gradients (or inner's updates) were not finite.
+      last_step_skipped: bool scalar, whether the latest effective step was
+        skipped.
+      micro_step: int32 scalar, micro-batches accumulated since the last effective
+        step; always 0 when ``accumulation_steps == 1``.
+      grad_accumulator: the sum of the scaled micro-batch gradients of the current
+        effective batch (float32, or wider if the parameters are), shaped like the
+        parameters; ``optax.EmptyState()`` when ``accumulation_steps == 1``.
+      inner_state: the state of the wrapped optimizer.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from mpjax.scaler import grad_scaler
+      >>> state = grad_scaler(optax.sgd(0.1)).init({"w": jnp.zeros(2)})
+      >>> state.scale, state.skipped_steps, state.last_step_skipped
+      (Array(65536., dtype=float32), Array(0, dtype=int32), Array(False, dtype=bool))
+    """
+
+    scale: jax.Array
+    growth_tracker: jax.Array
+    skipped_steps: jax.Array
+    last_step_skipped: jax.Array
+    micro_step: jax.Array
+    grad_accumulator: Any
+    inner_state: optax.OptState
+
+
+# --------------------------------------------------------------------------
+# Helpers on an optimizer state.
+
+
+def get_scale(opt_state: Any) -> jax.Array:
+    """The current loss scale held in `opt_state` (torch's ``get_scale()``).
+
+    Args:
+      opt_state: an optimizer state holding exactly one `GradScalerState`
+        anywhere inside (``optax.chain``, ``optax.MultiSteps``,
+        ``optax.inject_hyperparams``, ``optax.multi_transform``, a
+        ``flax.nnx.Optimizer`` or its ``opt_state``).
+
+    Returns:
+      The float32 scalar scale (a device array; no host sync).
+
+    Raises:
+      ValueError: if `opt_state` holds no `GradScalerState`, or several.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from mpjax.scaler import grad_scaler, get_scale
+      >>> tx = optax.chain(optax.identity(), grad_scaler(optax.sgd(0.1)))
+      >>> get_scale(tx.init(jnp.zeros(2)))
+      Array(65536., dtype=float32)
+    """
+    return _value(_find_state(opt_state, "get_scale").scale, jnp.float32)
+
+
+def set_scale(opt_state: Any, new_scale: float | jax.Array) -> Any:
+    """`opt_state` with the scale replaced (torch's ``update(new_scale)``).
+
+    The growth tracker is left as it is. The input is not modified; use the
+    returned state (for a ``flax.nnx.Optimizer``:
+    ``optimizer.opt_state = set_scale(optimizer.opt_state, s)``). The scale's
+    floor applies at the next backoff, not here.
+
+    Args:
+      opt_state: an optimizer state holding exactly one `GradScalerState`.
+      new_scale: the new scale: a finite number >= 2**-126, or a float32
+        scalar array (then not checked, so it may be traced).
+
+    Returns:
+      A new optimizer state of the same structure.
+
+    Raises:
+      ValueError: if `opt_state` holds no `GradScalerState` or several, or a
+        concrete `new_scale` is not a finite number >= 2**-126.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from mpjax.scaler import grad_scaler, get_scale, set_scale
+      >>> state = grad_scaler(optax.sgd(0.1)).init(jnp.zeros(2))
+      >>> get_scale(set_scale(state, 1024.0))
+      Array(1024., dtype=float32)
+    """
+    target = _find_state(opt_state, "set_scale")
+    if isinstance(new_scale, numbers.Real) and not (
+        MIN_NORMAL_F32 <= float(new_scale) <= float(np.finfo(np.float32).max)
+    ):
+        raise ValueError(
+            f"set_scale: new_scale={new_scale!r} must be a finite "
+            "float32 number >= 2**-126 (a normal float32)."
+        )
+    value = jnp.asarray(new_scale, jnp.float32)
+    if value.shape != ():
+        raise ValueError(f"set_scale: new_scale must be a scalar, got shape {value.shape}.")
+
+    def replace(node):
+        if node is not target:
+            return node
+        # tree.map keeps any wrapper around the leaf (an nnx Variable, say).
+        return node._replace(scale=jax.tree.map(lambda _: value, node.scale))
+
+    return jax.tree.map(replace, opt_state, is_leaf=_is_scaler_state)
+
+
+def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
+    """``loss * scale`` (torch's ``scaler.scale(loss)``), in float32 or wider.
+
+    The product is never formed in float16, whose maximum (65504) is below the
+    default scale. Differentiate the result and pass the gradients to the
+    scaler's ``update``.
+
+    Args:
+      loss: the loss, a scalar (or any array).
+      opt_state: an optimizer state holding exactly one `GradScalerState`.
+
+    Returns:
+      The scaled loss, with dtype ``promote_types(loss.dtype, float32)``.
+
+    Raises:
+      ValueError: if `opt_state` holds no `GradScalerState`, or several.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from mpjax.scaler import grad_scaler, scale_loss
+      >>> state = grad_scaler(optax.sgd(0.1), init_scale=8.0).init(jnp.zeros(2))
+      >>> scale_loss(jnp.float16(1.5), state)
+      Array(12., dtype=float32)
+    """
+    scale = _value(_find_state(opt_state, "scale_loss").scale, jnp.float32)
+    loss = jnp.asarray(loss)
+    dtype = jnp.promote_types(loss.dtype, jnp.float32)
+    return loss.astype(dtype) * scale.astype(dtype)
+
+
+def scaled_value_and_grad(
+    fun: Callable[..., Any],
+    opt_state: Any,
+    *,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    value_and_grad: Callable[..., Callable[..., Any]] = jax.value_and_grad,
+) -> Callable[..., tuple[Any, Any]]:
+    """Like ``jax.value_and_grad(fun)``, with the loss scaled for the gradients.
+
+    The returned function takes `fun`'s arguments and returns ``(value, grads)``
+    (``((value, aux), grads)`` with `has_aux`): `value` is `fun`'s own,
+    *unscaled* loss, for logging; `grads` are the gradients of the *scaled* loss,
+    ready for the scaler's ``update``. The scale is read from `opt_state` when
+    this is called, so call it inside the training step, each step.
+
+    Args:
+      fun: the loss function; returns a scalar loss (and aux if `has_aux`).
+      opt_state: an optimizer state holding exactly one `GradScalerState`.
+      argnums: as for ``jax.value_and_grad``.
+      has_aux: as for ``jax.value_and_grad``.
+      value_and_grad: the differentiation transform; pass
+        ``flax.nnx.value_and_grad`` to differentiate with respect to nnx modules.
+
+    Returns:
+      A function with `fun`'s signature returning ``(value, grads)``.
+
+    Raises:
+      ValueError: if `opt_state` holds no `GradScalerState`, or several.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from mpjax.scaler import grad_scaler, scaled_value_and_grad
+      >>> state = grad_scaler(optax.sgd(0.1), init_scale=4.0).init(jnp.zeros(2))
+      >>> scaled_value_and_grad(lambda w: jnp.sum(w**2), state)(jnp.ones(2))
+      (Array(2., dtype=float32), Array([8., 8.], dtype=float32))
+    """
+    scale = _value(_find_state(opt_state, "scaled_value_and_grad").scale, jnp.float32)
+
+    def scaled_fun(*args, **kwargs):
+        out = fun(*args, **kwargs)
+        loss, aux = out if has_aux else (out, None)
+        loss = jnp.asarray(loss)
+        dtype = jnp.promote_types(loss.dtype, jnp.float32)
+        return loss.astype(dtype) * scale.astype(dtype), (loss, aux)
+
+    grad_fn = value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
+
+    def wrapped(*args, **kwargs):
+        (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+        return ((loss, aux) if has_aux else loss), grads
+
+    return wrapped
+
+
+def scaler_stats(opt_state: Any) -> dict[str, jax.Array]:
+    """The scaler's numbers for logging, as device arrays (no host sync).
+
+    Args:
+      opt_state: an optimizer state holding exactly one `GradScalerState`.
+
+    Returns:
+      A dict with ``scale`` (float32), ``growth_tracker`` (int32),
+      ``skipped_steps`` (int32: effective steps skipped so far) and
+      ``last_step_skipped`` (bool).
+
+    Raises:
+      ValueError: if `opt_state` holds no `GradScalerState`, or several.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from mpjax.scaler import grad_scaler, scaler_stats
+      >>> stats = scaler_stats(grad_scaler(optax.sgd(0.1)).init(jnp.zeros(2)))
+      >>> int(stats["skipped_steps"]), bool(stats["last_step_skipped"])
+      (0, False)
+    """
+    state = _find_state(opt_state, "scaler_stats")
+    return {
+        "scale": _value(state.scale, jnp.float32),
+        "growth_tracker": _value(state.growth_tracker),
+        "skipped_steps": _value(state.skipped_steps),
+        "last_step_skipped": _value(state.last_step_skipped),
+    }
+
+
+def _is_scaler_state(x) -> bool:
+    return isinstance(x, GradScalerState)
+
+
+def _find_state(opt_state: Any, caller: str) -> GradScalerState:
+    """The single `GradScalerState` inside `opt_state`, or a ValueError."""
+    found = []
+
+    def search(tree, prefix):
+        flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_scaler_state)
+        for path, node in flat:
+            if _is_scaler_state(node):
+                found.append((prefix + path, node))
+                # A scaler nested in a scaler would unscale twice: report it too.
+                search(node.inner_state, prefix + path)
+
+    search(opt_state, ())
+    if len(found) == 1:
+        return found[0][1]
+    if not found:
+        raise ValueError(
+            f"{caller}: no GradScalerState found in `opt_state` (a "
+            f"{type(opt_state).__name__}). Build the optimizer with "
+            "mpjax.grad_scaler(inner) (or static_scaler/noop_scaler); it may sit "
+            "anywhere inside optax.chain, MultiSteps, inject_hyperparams, "
+            "multi_transform or an nnx.Optimizer. Pass the state its init returned."
+        )
+    paths = ", ".join(jax.tree_util.keystr(path) or "<root>" for path, _ in found)
+    raise ValueError(
+        f"{caller}: found {len(found)} GradScalerStates in `opt_state` (at "
+        f"{paths}); the helpers need exactly one. Wrap the whole optimizer in a "
+        "single grad_scaler (e.g. grad_scaler(optax.multi_transform(...))) rather "
+        "than each part, or pass the sub-state of the scaler you mean."
+    )
+
+
+def _value(field, dtype=None):
+    """The array in a state field, unwrapping containers such as nnx Variables."""
+    (leaf,) = jax.tree_util.tree_leaves(field)
+    return jnp.asarray(leaf, dtype)
