@@ -248,7 +248,20 @@ def test_docstring_example(test, restore_jax_config):
 
 
 def test_api_page_lists_every_public_name():
-    listed = re.findall(r"^:::\s+mpjax\.(\w+)\s*$", (DOCS / "api.md").read_text(), re.MULTILINE)
+    """Each public name once, rendered as what it is. mkdocstrings reads the source, where
+    ``mpjax.audit`` is the module mpjax/audit.py: a public name that is also a submodule's
+    name must be written with its defining module (``::: mpjax.audit.audit``)."""
+    paths = re.findall(r"^:::\s+(mpjax(?:\.\w+)+)\s*$", (DOCS / "api.md").read_text(), re.MULTILINE)
+    listed = []
+    for path in paths:
+        module, _, name = path.rpartition(".")
+        submodule = (ROOT / "mpjax" / f"{name}.py").exists() or (ROOT / "mpjax" / name).is_dir()
+        assert not (module == "mpjax" and submodule), (
+            f"docs/api.md: '::: {path}' renders the module mpjax/{name}.py; "
+            f"write '::: {getattr(mpjax, name).__module__}.{name}'"
+        )
+        assert getattr(importlib.import_module(module), name) is getattr(mpjax, name, None), path
+        listed.append(name)
     assert sorted(listed) == sorted(mpjax.__all__)
 
 
