@@ -1,4 +1,4 @@
-"""Benchmarks of mpjax (issue 5): memory, precision coverage, overhead, GPU speed.
+"""Benchmarks of mpjax: memory, precision coverage, overhead, GPU speed.
 
     python -m benchmarks [--smoke | --quick] [--gpu] [--json PATH]
 

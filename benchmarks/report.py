@@ -1,4 +1,4 @@
-"""Markdown tables and the target checks of issue 5."""
+"""Markdown tables and the checks of the benchmark targets."""
 
 from __future__ import annotations
 
@@ -184,7 +184,7 @@ def cpu_tables(out: dict) -> str:
 
 
 def targets(out: dict) -> list[dict]:
-    """Each target of issue 5 that the CPU run measures, with its verdict."""
+    """Each benchmark target that the CPU run measures, with its verdict."""
     found = []
 
     def check(what, value, limit, op="<="):

@@ -5,15 +5,23 @@ function (BatchNorm statistics, RNG counters, any `nnx.Variable`) would happen o
 a throw-away copy. Here the arguments are split into (graphdef, state), the
 function is made pure (state in, new state out), and the new state is written
 back into the caller's modules, as `nnx.jit` does.
+
+Flax is never imported here at module level: `import mpjax` stays free of it.
+NNX objects can exist only once `flax.nnx` has been imported, so while it is
+absent from `sys.modules` no argument can hold one and nothing is imported.
 """
 
 from __future__ import annotations
 
+import sys
+
 import jax
-from flax import nnx
 
 
 def _is_nnx(x) -> bool:
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return False
     return isinstance(x, (nnx.Module, nnx.Variable, nnx.Rngs)) or (
         nnx.graph.is_graph_node(x) and not isinstance(x, (tuple, list, dict))
     )
@@ -21,6 +29,8 @@ def _is_nnx(x) -> bool:
 
 def has_nnx_objects(tree) -> bool:
     """Whether the arguments hold NNX objects whose state autocast must carry."""
+    if sys.modules.get("flax.nnx") is None:
+        return False
     return any(_is_nnx(x) for x in jax.tree.leaves(tree, is_leaf=_is_nnx))
 
 
@@ -30,6 +40,8 @@ def call_with_state(call, fun, args, kwargs):
     `call` runs a pure function of one pytree argument (the autocast
     interpreter); the state it returns keeps its original dtypes.
     """
+    from flax import nnx  # already imported: the arguments hold NNX objects
+
     leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_nnx)
     where = [i for i, x in enumerate(leaves) if _is_nnx(x)]
     nodes = [leaves[i] for i in where]

@@ -1,4 +1,4 @@
-"""Smoke test of the benchmarks (issue 5): the entry point runs at its smallest size
+"""Smoke test of the benchmarks: the entry point runs at its smallest size
 and its results have the expected structure. No timing is asserted: CI machines are
 shared and noisy."""
 

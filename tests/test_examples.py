@@ -52,6 +52,11 @@ def test_digits(tmp_path, capsys):
     assert plot.exists() and plot.stat().st_size > 10_000
     out = capsys.readouterr().out
     assert "float16 autocast + grad_scaler" in out and "test acc" in out
+    words = " ".join(out.split())  # the notes are wrapped
+    assert "largest gap to float32's" in words  # the curves overlap: by how much
+    assert "tensor cores" in words  # what a GPU gives
+    if digits.jax.default_backend() == "cpu":
+        assert "by converting to float32 and back" in words  # why 16 bits are slower here
 
 
 def test_char_lm(capsys):
