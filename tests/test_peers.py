@@ -1,0 +1,84 @@
+"""The peer-model benchmark harness on its cheapest peer (a Flax example: needs only flax)."""
+
+import math
+import pathlib
+import sys
+
+import pytest
+
+pytest.importorskip("flax")
+
+# `benchmarks/` sits beside `mpjax/` in the repository and is not installed.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks.peers import harness
+from benchmarks.peers.models import BY_NAME
+
+CHEAP = ("flax-vae",)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return [harness.run_peer(BY_NAME[name], harness.QUICK_VARIANTS) for name in CHEAP]
+
+
+def test_numbers_are_finite_and_close(results):
+    for res in results:
+        assert res["status"] == "ok", res["status"]
+        rows = {r["variant"]: r for r in res["rows"]}
+        assert set(rows) == set(harness.QUICK_VARIANTS)
+        for variant, r in rows.items():
+            assert r["status"] == "ok", (variant, r["status"])
+            assert r["grads_finite"], variant
+            for key in ("residual_bytes", "loss", "grad_err_leaf", "grad_err_tree"):
+                assert math.isfinite(r[key]), (variant, key, r[key])
+            assert r["residual_bytes"] > 0
+            assert r["reductions_16bit"] >= 0
+            assert r["f16_reductions_off_ok"] in (True, False, None)
+        assert rows["float32"]["grad_err_tree"] == 0.0
+        assert rows["float32"]["reductions_16bit"] == 0
+        for variant in ("autocast-f16", "autocast-bf16"):
+            assert rows[variant]["grad_err_tree"] < 0.1, rows[variant]
+            assert rows[variant]["grad_err_leaf"] < 0.5, rows[variant]
+            assert 0 < rows[variant]["residual_ratio"] < 1.5
+
+
+def test_table_renders(results):
+    skipped = {
+        "model": "needs-nothing-here",
+        "source": "",
+        "status": "skipped: needs nosuchpkg",
+        "seconds": 0.0,
+        "rows": [],
+    }
+    table = harness.render(results + [skipped])
+    assert table.startswith("| model | variant |")
+    for name in CHEAP:
+        assert f"| {name} | float32 |" in table
+    assert "autocast-bf16" in table
+    assert "needs-nothing-here: skipped: needs nosuchpkg" in table
+
+
+def test_missing_package_is_skipped_not_crashed():
+    import dataclasses
+
+    peer = dataclasses.replace(BY_NAME["flax-vae"], name="ghost", requires=("no_such_module_xyz",))
+    res = harness.run_peer(peer)
+    assert res["status"] == "skipped: needs no_such_module_xyz"
+    assert res["rows"] == []
+
+
+def test_reduction_counter_sees_16bit_sums():
+    import jax
+    import jax.numpy as jnp
+
+    def f(x):
+        y = jax.lax.cumsum(x.astype(jnp.bfloat16), axis=0)
+        total = jax.lax.reduce(y, 0.0, jax.lax.add, (0, 1))  # reduce_sum in bf16
+        return total.astype(jnp.float32) + jnp.sum(x)  # jnp.sum of float32: not counted
+
+    x = jnp.ones((4, 3))
+    forward = harness.count_16bit_reductions(jax.make_jaxpr(jax.jit(f))(x))  # in a sub-jaxpr
+    assert forward == {"cumsum": 1, "reduce_sum": 1}, forward
+    backward = harness.count_16bit_reductions(jax.make_jaxpr(jax.grad(f))(x))
+    assert backward.get("cumsum") == 2, backward  # forward and transposed cumsum
