@@ -157,8 +157,9 @@ def train(mode: str, corpus, args) -> dict:
 
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.steps // 20, args.steps)
     adamw = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
-    # float16 needs loss scaling; grad_scaler wraps the whole chain, so clipping sees
-    # unscaled gradients. bfloat16 and float32 get the same state layout from noop_scaler.
+    # float16 needs loss scaling; grad_scaler wraps the whole chain, so a skipped step
+    # leaves clipping and adamw alike untouched. bfloat16 and float32 get the same
+    # state layout from noop_scaler.
     tx = mpjax.grad_scaler(adamw) if mode == "float16" else mpjax.noop_scaler(adamw)
     opt_state = tx.init(params)
 

@@ -113,10 +113,8 @@ def train(
 
     @nnx.jit
     def train_step(model, optimizer, x, y):
-        value, grads = mpjax.scaled_value_and_grad(
-            loss, optimizer.opt_state, value_and_grad=nnx.value_and_grad
-        )(model, x, y)
-        optimizer.update(model, grads)  # unscales; skips the step if not finite
+        value, grads = mpjax.scaled_value_and_grad(loss, optimizer.opt_state)(model, x, y)
+        optimizer.update(model, grads)  # skips the step if not finite
         stats = mpjax.scaler_stats(optimizer.opt_state)
         return value, stats["scale"], stats["last_step_skipped"]
 

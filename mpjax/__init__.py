@@ -14,7 +14,6 @@ from mpjax.scaler import (
     get_scale,
     grad_scaler,
     noop_scaler,
-    scale_loss,
     scaled_value_and_grad,
     scaler_stats,
     set_scale,
@@ -38,7 +37,6 @@ __all__ = [
     "GradScalerState",
     "get_scale",
     "set_scale",
-    "scale_loss",
     "scaled_value_and_grad",
     "scaler_stats",
 ]

@@ -1,9 +1,11 @@
 """What one ``update`` of the loss scaler does, and the scale update rule.
 
-`update` unscales the gradients (the mean of the micro-batches with
-``accumulation_steps > 1``), checks them, runs the wrapped optimizer and keeps or
-discards its step by selection, then moves the scale with `_next_scale`, torch's
-``_amp_update_scale_``. The transformations that use it are in `mpjax.scaler`.
+`update` takes the gradients of the loss (`mpjax.scaled_value_and_grad` computes
+them with the loss scaled and divides the scale out again; with
+``accumulation_steps > 1``, their mean or sum over the micro-batches), checks them,
+runs the wrapped optimizer and keeps or discards its step by selection, then moves
+the scale with `_next_scale`, torch's ``_amp_update_scale_``. The transformations
+that use it are in `mpjax.scaler`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mpjax._float32 import _mul_f32_by_f64, reciprocal
+from mpjax._float32 import _mul_f32_by_f64
 
 
 class ScalerConfig(NamedTuple):
@@ -31,35 +33,36 @@ class ScalerConfig(NamedTuple):
     enabled: bool
     """False for `noop_scaler`: no unscaling, no checks, no skipping."""
     accumulation_steps: int
+    accumulation: str
+    """How micro-batch gradients combine: "mean" or "sum"."""
     axis_name: Hashable | Sequence[Hashable] | None
 
 
 def update(inner, config: ScalerConfig, grads, state, params, extra):
-    """The scaler's ``update`` on the scaled gradients of one (micro-)batch."""
+    """The scaler's ``update`` on the gradients of one (micro-)batch."""
     if config.accumulation_steps == 1:
-        return _step(inner, config, _unscale(config, grads, grads, state), state, params, extra)
+        return _step(inner, config, grads, state, params, extra)
     return _accumulate(inner, config, grads, state, params, extra)
 
 
 def _accumulate(inner, config: ScalerConfig, grads, state, params, extra):
     """Adds a micro-batch's gradients; the last of an effective batch takes the step."""
     k = config.accumulation_steps
-    # Each micro-batch is divided by k before it is added, as torch's recipe
-    # divides the loss: the sum then overflows only where torch's would. Written
-    # as the product XLA turns a division by a constant into anyway, so the
-    # result is the same on every backend.
+    # For the mean, each micro-batch is divided by k before it is added, as
+    # torch's recipe divides the loss: the sum then overflows only where torch's
+    # would. Written as the product XLA turns a division by a constant into, so
+    # the result is the same on every backend.
+    weight = 1.0 / k if config.accumulation == "mean" else 1.0
     total = jax.tree.map(
-        lambda acc, g: acc + g.astype(acc.dtype) * jnp.asarray(1.0 / k, acc.dtype)
-        if _is_inexact(g)
-        else acc,
+        lambda acc, g: (
+            acc + g.astype(acc.dtype) * jnp.asarray(weight, acc.dtype) if _is_inexact(g) else acc
+        ),
         state.grad_accumulator,
         grads,
     )
     micro_step = state.micro_step + 1
     last_micro_step = micro_step == k
-    step_updates, step_state = _step(
-        inner, config, _unscale(config, total, grads, state), state, params, extra
-    )
+    step_updates, step_state = _step(inner, config, _like(total, grads), state, params, extra)
     # Selection, as in optax.MultiSteps: inner's update is computed on every
     # micro-batch and kept on the last. (lax.cond would skip that work, but
     # inside shard_map its branches must agree on device variance, which the
@@ -76,7 +79,7 @@ def _accumulate(inner, config: ScalerConfig, grads, state, params, extra):
 
 
 def _step(inner, config: ScalerConfig, grads, state, params, extra):
-    """One effective step on unscaled `grads`: check, skip or apply, rescale."""
+    """One effective step on the gradients of the loss: check, skip or apply, rescale."""
     if not config.enabled:
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
         return updates, state._replace(inner_state=inner_state)
@@ -102,6 +105,12 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra):
             growth_interval=config.growth_interval,
             min_scale=config.min_scale,
         )
+        # A step skipped for inner's non-finite updates is no success to grow on
+        # (adam's eps underflowing in float16 parameters would skip every step
+        # while the scale kept growing): scale and tracker hold.
+        held = finite & ~applied
+        scale = jnp.where(held, state.scale, scale)
+        tracker = jnp.where(held, state.growth_tracker, tracker)
     else:
         scale, tracker = state.scale, state.growth_tracker
     skipped = jnp.logical_not(applied)
@@ -114,20 +123,9 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra):
     )
 
 
-def _unscale(config: ScalerConfig, grads, like, state):
-    """`grads` unscaled, in `like`'s dtypes."""
-    if config.enabled:
-        inv_scale, inv_tail = reciprocal(state.scale)
-
-    def one(g, ref):
-        if not _is_inexact(ref):
-            return ref
-        g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
-        if config.enabled:
-            g = g * inv_scale * inv_tail
-        return g.astype(ref.dtype)
-
-    return jax.tree.map(one, grads, like)
+def _like(total, grads):
+    """The accumulated gradients in the dtypes of the micro-batch gradients."""
+    return jax.tree.map(lambda t, g: t.astype(g.dtype) if _is_inexact(g) else g, total, grads)
 
 
 def _all_finite_everywhere(config: ScalerConfig, tree):

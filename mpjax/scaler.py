@@ -1,8 +1,10 @@
 """Loss scaling for mixed-precision training, as optax transformations.
 
 Float16 gradients underflow unless the loss is multiplied by a large factor
-before differentiation and the gradients are divided by it afterwards. The
-scaler here is an optax `GradientTransformationExtraArgs` that *wraps* the
+before differentiation and the gradients are divided by it afterwards.
+`mpjax.scaled_value_and_grad` does both, with the scale held in the optimizer
+state; the scaler here checks the gradients and adapts that scale. It is an
+optax `GradientTransformationExtraArgs` that *wraps* the
 optimizer (``grad_scaler(optax.adamw(...))``): its state, including the scale,
 lives in ``opt_state`` and is saved with it, and a step whose gradients are not
 finite is skipped exactly, leaving every leaf of the inner optimizer's state
@@ -10,8 +12,7 @@ finite is skipped exactly, leaving every leaf of the inner optimizer's state
 
 It is a wrapper, not a chain element: a transform earlier in an ``optax.chain``
 cannot stop later ones from advancing their state, so only a wrapper can skip a
-step exactly. Wrap the whole chain; clipping inside it then sees unscaled
-gradients, as torch's ``unscale_``-then-clip recipe asks.
+step exactly. Wrap the whole chain.
 
 It follows ``torch.amp.GradScaler``'s rule to the bit, with two deliberate
 differences:
@@ -28,6 +29,11 @@ differences:
   below 1 makes a finite scaled gradient overflow once divided out, which torch
   would apply.
 
+``update`` takes the gradients of the loss itself, unscaled, as every optax
+transformation does: those `scaled_value_and_grad` returns, or those of plain
+``jax.grad``, which then train correctly too, only without the protection against
+underflow that the scaling gives.
+
 A typical step::
 
   loss, grads = scaled_value_and_grad(loss_fn, opt_state)(params, batch)
@@ -36,31 +42,31 @@ A typical step::
 
 This module holds the transformations and their argument checks. What one
 ``update`` does, and the scale update rule, are in `mpjax._scaler_update`; the
-state and the helpers that read it, in `mpjax.scaler_state` (re-exported here).
+state and the helpers that read it, in `mpjax.scaler_state`, and
+`scaled_value_and_grad` in `mpjax.gradients` (both re-exported here).
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from mpjax import _scaler_update
 from mpjax._float32 import MIN_NORMAL_F32
-from mpjax._scaler_update import ScalerConfig
-from mpjax.scaler_state import (
-    GradScalerState,
-    get_scale,
-    scale_loss,
-    scaled_value_and_grad,
-    scaler_stats,
-    set_scale,
+from mpjax._scaler_checks import (
+    DEFAULT_MIN_SCALE,
+    check_accumulation,
+    check_int,
+    check_no_float16,
+    check_static_scale,
+    grad_scaler_config,
 )
+from mpjax._scaler_update import ScalerConfig
+from mpjax.gradients import scaled_value_and_grad
+from mpjax.scaler_state import GradScalerState, get_scale, scaler_stats, set_scale
 
 __all__ = [
     "GradScalerState",
@@ -69,14 +75,9 @@ __all__ = [
     "noop_scaler",
     "get_scale",
     "set_scale",
-    "scale_loss",
     "scaled_value_and_grad",
     "scaler_stats",
 ]
-
-# The default floor of the scale: the smallest normal float16. See `grad_scaler`.
-_DEFAULT_MIN_SCALE = 2.0**-14
-_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 # --------------------------------------------------------------------------
@@ -90,25 +91,23 @@ def grad_scaler(
     growth_factor: float = 2.0,
     backoff_factor: float = 0.5,
     growth_interval: int = 2000,
-    min_scale: float = _DEFAULT_MIN_SCALE,
+    min_scale: float = DEFAULT_MIN_SCALE,
     enabled: bool = True,
     accumulation_steps: int = 1,
+    accumulation: str | None = None,
     axis_name: Hashable | Sequence[Hashable] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Dynamic loss scaling around an optimizer, with torch's GradScaler rule.
 
-    ``update`` takes the gradients of the *scaled* loss (see `scale_loss` and
-    `scaled_value_and_grad`), multiplies them by float32 ``1 / scale`` (each leaf
-    keeps its dtype) and checks that all are finite (NaN is not). If so, it returns
-    ``inner``'s updates on the unscaled gradients and ``inner``'s new state; if
-    not, zero updates and ``inner``'s state unchanged, bit for bit (``inner`` runs
-    on zeros then, so no inf or NaN is computed inside it). The scale then changes
-    as torch's ``_amp_update_scale_``, bit for bit, with no host sync: jit-safe.
-
-    Wrap the whole ``optax.chain``: only a wrapper can skip a step exactly, and
-    clipping inside it sees unscaled gradients. Two differences from torch, both
-    deliberate (see `mpjax.scaler` or the Loss scaling guide): the scale never falls
-    below ``min_scale``, and the finite check looks at the unscaled gradients.
+    `scaled_value_and_grad` computes the gradients with the loss scaled by the
+    scale in the state, and divides it out again. ``update`` takes those gradients
+    (the loss's own, as every optax transformation does; plain ``jax.grad``'s train
+    too, without the underflow protection) and checks that all are finite. If so,
+    it returns ``inner``'s updates and state; if not, zero updates and ``inner``'s
+    state bit for bit as it was. The scale then changes as torch's
+    ``_amp_update_scale_``, bit for bit, with no host sync. Wrap the whole
+    ``optax.chain``: only a wrapper can skip a step exactly. Deliberate differences
+    from torch are in `mpjax.scaler`; ``init`` refuses float16 parameters.
 
     Args:
       inner: the optimizer to wrap (any optax transformation or chain).
@@ -122,14 +121,15 @@ def grad_scaler(
       enabled: if False, a no-op scaler: the scale is 1.0, gradients pass through
         unchanged and ``inner``'s updates are always applied (the state keeps the
         same structure, so checkpoints are interchangeable).
-      accumulation_steps: number k of micro-batches per effective batch. Each
-        ``update`` call then takes one micro-batch's scaled gradients; their sum
-        is kept in float32 (or wider) and on the k-th call their mean (the sum
-        times float32 ``1/k``) is unscaled, checked and given to ``inner``, and
-        the scale is updated, once per effective batch. The other calls return
-        zero updates and change neither the scale nor ``inner``'s state. Unlike
-        ``optax.MultiSteps``, the accumulator is reset by selection, so an inf in
-        one effective batch cannot poison the next.
+      accumulation_steps: number k of micro-batches per effective batch: each
+        ``update`` takes one micro-batch's gradients, accumulated in float32; the
+        k-th checks them, steps ``inner`` and updates the scale. The others return
+        zero updates. The accumulator is reset by selection (not by ``* 0`` as
+        ``optax.MultiSteps``), so an inf cannot poison the next effective batch.
+      accumulation: required with ``accumulation_steps > 1``: ``"mean"`` if each
+        micro-batch's loss is a mean over its own examples (as ``optax.MultiSteps``),
+        ``"sum"`` if the loss is already divided by k (PyTorch's recipe). Both give
+        the mean gradient; naming it keeps a ported loop from stepping k times short.
       axis_name: for ``update`` called inside ``shard_map`` or ``pmap`` on per-device
         gradients: the mapped axis name (or names) over which the finite check is
         combined, so every device makes the same skip decision. Not needed under plain
@@ -150,10 +150,10 @@ def grad_scaler(
       >>> opt_state = tx.init(params)
       >>> loss_fn = lambda p, x: jnp.sum(p["w"] * x)
       >>> loss, grads = scaled_value_and_grad(loss_fn, opt_state)(params, jnp.ones(3))
-      >>> grads["w"]  # gradients of the scaled loss
-      Array([1024., 1024., 1024.], dtype=float32)
+      >>> grads["w"]  # the loss's gradients, computed with the loss scaled by 1024
+      Array([1., 1., 1.], dtype=float32)
       >>> updates, opt_state = jax.jit(tx.update)(grads, opt_state, params)
-      >>> updates["w"]  # computed from the unscaled gradients
+      >>> updates["w"]
       Array([-0.1, -0.1, -0.1], dtype=float32)
       >>> bad = {"w": jnp.array([1.0, jnp.inf, 1.0])}
       >>> updates, opt_state = jax.jit(tx.update)(bad, opt_state, params)
@@ -161,7 +161,7 @@ def grad_scaler(
       (Array([0., 0., 0.], dtype=float32), Array(512., dtype=float32))
     """
     settings = (init_scale, growth_factor, backoff_factor, growth_interval, min_scale, enabled)
-    config = _grad_scaler_config(*settings, accumulation_steps, axis_name)
+    config = grad_scaler_config(*settings, accumulation_steps, accumulation, axis_name)
     return _loss_scaler(inner, config)
 
 
@@ -170,6 +170,7 @@ def static_scaler(
     scale: float,
     *,
     accumulation_steps: int = 1,
+    accumulation: str | None = None,
     axis_name: Hashable | Sequence[Hashable] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """A fixed loss scale around an optimizer; non-finite steps are still skipped.
@@ -184,6 +185,7 @@ def static_scaler(
       scale: the loss scale, a finite float32 number >= 2**-126 (a power of two
         keeps unscaling exact).
       accumulation_steps: as for `grad_scaler`.
+      accumulation: as for `grad_scaler`.
       axis_name: as for `grad_scaler`.
 
     Returns:
@@ -199,11 +201,12 @@ def static_scaler(
       >>> from mpjax.scaler import static_scaler
       >>> tx = static_scaler(optax.sgd(1.0), 128.0)
       >>> state = tx.init(jnp.zeros(2))
-      >>> updates, state = tx.update(jnp.array([128.0, -256.0]), state)
-      >>> updates
-      Array([-1.,  2.], dtype=float32)
+      >>> updates, state = tx.update(jnp.array([1.0, jnp.inf]), state)
+      >>> updates, bool(state.last_step_skipped)
+      (Array([0., 0.], dtype=float32), True)
     """
-    scale = _check_static_scale(scale)
+    scale = check_static_scale(scale)
+    steps = check_int("static_scaler", "accumulation_steps", accumulation_steps)
     config = ScalerConfig(
         init_scale=scale,
         growth_factor=2.0,
@@ -212,7 +215,8 @@ def static_scaler(
         min_scale=MIN_NORMAL_F32,
         dynamic=False,
         enabled=True,
-        accumulation_steps=_check_int("static_scaler", "accumulation_steps", accumulation_steps),
+        accumulation_steps=steps,
+        accumulation=check_accumulation("static_scaler", steps, accumulation),
         axis_name=axis_name,
     )
     return _loss_scaler(inner, config)
@@ -222,16 +226,17 @@ def noop_scaler(
     inner: optax.GradientTransformation,
     *,
     accumulation_steps: int = 1,
+    accumulation: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """``grad_scaler(inner, enabled=False)``: scale 1.0, no checks, no skipping.
 
     Useful to switch loss scaling off (bfloat16, float32) without touching the
-    training step: `scale_loss`, `scaled_value_and_grad` and the state layout
-    stay the same.
+    training step: `scaled_value_and_grad` and the state layout stay the same.
 
     Args:
       inner: the optimizer to wrap.
       accumulation_steps: as for `grad_scaler`.
+      accumulation: as for `grad_scaler`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -245,7 +250,9 @@ def noop_scaler(
       >>> get_scale(state)
       Array(1., dtype=float32)
     """
-    return grad_scaler(inner, enabled=False, accumulation_steps=accumulation_steps)
+    return grad_scaler(
+        inner, enabled=False, accumulation_steps=accumulation_steps, accumulation=accumulation
+    )
 
 
 def _loss_scaler(inner, config: ScalerConfig) -> optax.GradientTransformationExtraArgs:
@@ -253,6 +260,8 @@ def _loss_scaler(inner, config: ScalerConfig) -> optax.GradientTransformationExt
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
+        if config.enabled:
+            check_no_float16(params)
         if config.accumulation_steps > 1:
             accumulator = jax.tree.map(
                 lambda p: jnp.zeros(jnp.shape(p), _scaler_update.accumulator_dtype(p)), params
@@ -286,103 +295,3 @@ def _loss_scaler(inner, config: ScalerConfig) -> optax.GradientTransformationExt
         return _scaler_update.update(inner, config, updates, state, params, extra)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-# --------------------------------------------------------------------------
-# Argument checks.
-
-
-def _grad_scaler_config(
-    init_scale,
-    growth_factor,
-    backoff_factor,
-    growth_interval,
-    min_scale,
-    enabled,
-    accumulation_steps,
-    axis_name,
-) -> ScalerConfig:
-    """`grad_scaler`'s arguments, checked."""
-    name = "grad_scaler"
-    init_scale = _check_number(
-        name, "init_scale", init_scale, "a finite number > 0", lambda v: 0 < v < math.inf
-    )
-    with np.errstate(over="ignore"):
-        overflows = not np.isfinite(np.float32(init_scale))
-    if overflows:
-        raise ValueError(
-            f"{name}: init_scale={init_scale!r} overflows float32; "
-            f"it must be at most {float(np.finfo(np.float32).max)!r}."
-        )
-    growth_factor = _check_number(
-        name, "growth_factor", growth_factor, "a finite number > 1", lambda v: 1 < v < math.inf
-    )
-    backoff_factor = _check_number(
-        name, "backoff_factor", backoff_factor, "a number in (0, 1)", lambda v: 0 < v < 1
-    )
-    growth_interval = _check_int(name, "growth_interval", growth_interval)
-    min_scale = _check_number(
-        name,
-        "min_scale",
-        min_scale,
-        "a finite number >= 2**-126 (a normal float32)",
-        lambda v: MIN_NORMAL_F32 <= v < math.inf,
-    )
-    if init_scale < min_scale:
-        raise ValueError(
-            f"{name}: init_scale={init_scale!r} is below "
-            f"min_scale={min_scale!r}; raise init_scale or lower min_scale."
-        )
-    return ScalerConfig(
-        init_scale=init_scale if enabled else 1.0,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        min_scale=min_scale,
-        dynamic=True,
-        enabled=bool(enabled),
-        accumulation_steps=_check_int(name, "accumulation_steps", accumulation_steps),
-        axis_name=axis_name,
-    )
-
-
-def _check_static_scale(scale) -> float:
-    """`static_scaler`'s scale, checked."""
-    name = "static_scaler"
-    scale = _check_number(
-        name,
-        "scale",
-        scale,
-        "a finite float32 number >= 2**-126 (a normal float32)",
-        lambda v: MIN_NORMAL_F32 <= v < math.inf,
-    )
-    with np.errstate(over="ignore"):
-        overflows = not np.isfinite(np.float32(scale))
-    if overflows:
-        raise ValueError(
-            f"{name}: scale={scale!r} overflows float32; it must be at "
-            f"most {float(np.finfo(np.float32).max)!r}."
-        )
-    return scale
-
-
-def _check_number(fn: str, name: str, value, valid: str, ok) -> float:
-    """`value` as a float if it is a real number (not bool) with `ok(value)`."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{fn}: {name} must be {valid}, got {value!r} (a {type(value).__name__}).")
-    value = float(value)
-    if math.isnan(value) or not ok(value):
-        raise ValueError(f"{fn}: {name} must be {valid}, got {value!r}.")
-    return value
-
-
-def _check_int(fn: str, name: str, value) -> int:
-    """`value` as an int if it is an integer in [1, 2**31 - 1]."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise ValueError(
-            f"{fn}: {name} must be an integer >= 1, got {value!r} (a {type(value).__name__})."
-        )
-    value = int(value)
-    if not 1 <= value <= _INT32_MAX:
-        raise ValueError(f"{fn}: {name} must be an integer in [1, {_INT32_MAX}], got {value!r}.")
-    return value

@@ -4,14 +4,14 @@
 the optimizer state. The helpers find it wherever it sits (inside
 ``optax.chain``, ``optax.MultiSteps``, ``optax.inject_hyperparams``,
 ``optax.multi_transform``, a ``flax.nnx.Optimizer``) and give torch's
-``get_scale()``, ``update(new_scale)`` and ``scale(loss)``, a scaled
-``value_and_grad``, and the numbers to log. `mpjax.scaler` re-exports them all.
+``get_scale()`` and ``update(new_scale)``, and the numbers to log.
+`mpjax.scaler` re-exports them all.
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Sequence
+
 from typing import Any, NamedTuple
 
 import jax
@@ -25,8 +25,6 @@ __all__ = [
     "GradScalerState",
     "get_scale",
     "set_scale",
-    "scale_loss",
-    "scaled_value_and_grad",
     "scaler_stats",
 ]
 
@@ -44,9 +42,10 @@ class GradScalerState(NamedTuple):
         skipped.
       micro_step: int32 scalar, micro-batches accumulated since the last effective
         step; always 0 when ``accumulation_steps == 1``.
-      grad_accumulator: the sum of the scaled micro-batch gradients of the current
-        effective batch (float32, or wider if the parameters are), shaped like the
-        parameters; ``optax.EmptyState()`` when ``accumulation_steps == 1``.
+      grad_accumulator: the mean (or sum) so far of the micro-batch gradients of
+        the current effective batch (float32, or wider if the parameters are),
+        shaped like the parameters; ``optax.EmptyState()`` when
+        ``accumulation_steps == 1``.
       inner_state: the state of the wrapped optimizer.
 
     Examples:
@@ -141,91 +140,6 @@ def set_scale(opt_state: Any, new_scale: float | jax.Array) -> Any:
         return node._replace(scale=jax.tree.map(lambda _: value, node.scale))
 
     return jax.tree.map(replace, opt_state, is_leaf=_is_scaler_state)
-
-
-def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
-    """``loss * scale`` (torch's ``scaler.scale(loss)``), in float32 or wider.
-
-    The product is never formed in float16, whose maximum (65504) is below the
-    default scale. Differentiate the result and pass the gradients to the
-    scaler's ``update``.
-
-    Args:
-      loss: the loss, a scalar (or any array).
-      opt_state: an optimizer state holding exactly one `GradScalerState`.
-
-    Returns:
-      The scaled loss, with dtype ``promote_types(loss.dtype, float32)``.
-
-    Raises:
-      ValueError: if `opt_state` holds no `GradScalerState`, or several.
-
-    Examples:
-      >>> import jax.numpy as jnp, optax
-      >>> from mpjax.scaler import grad_scaler, scale_loss
-      >>> state = grad_scaler(optax.sgd(0.1), init_scale=8.0).init(jnp.zeros(2))
-      >>> scale_loss(jnp.float16(1.5), state)
-      Array(12., dtype=float32)
-    """
-    scale = _value(_find_state(opt_state, "scale_loss").scale, jnp.float32)
-    loss = jnp.asarray(loss)
-    dtype = jnp.promote_types(loss.dtype, jnp.float32)
-    return loss.astype(dtype) * scale.astype(dtype)
-
-
-def scaled_value_and_grad(
-    fun: Callable[..., Any],
-    opt_state: Any,
-    *,
-    argnums: int | Sequence[int] = 0,
-    has_aux: bool = False,
-    value_and_grad: Callable[..., Callable[..., Any]] = jax.value_and_grad,
-) -> Callable[..., tuple[Any, Any]]:
-    """Like ``jax.value_and_grad(fun)``, with the loss scaled for the gradients.
-
-    The returned function takes `fun`'s arguments and returns ``(value, grads)``
-    (``((value, aux), grads)`` with `has_aux`): `value` is `fun`'s own,
-    *unscaled* loss, for logging; `grads` are the gradients of the *scaled* loss,
-    ready for the scaler's ``update``. The scale is read from `opt_state` when
-    this is called, so call it inside the training step, each step.
-
-    Args:
-      fun: the loss function; returns a scalar loss (and aux if `has_aux`).
-      opt_state: an optimizer state holding exactly one `GradScalerState`.
-      argnums: as for ``jax.value_and_grad``.
-      has_aux: as for ``jax.value_and_grad``.
-      value_and_grad: the differentiation transform; pass
-        ``flax.nnx.value_and_grad`` to differentiate with respect to nnx modules.
-
-    Returns:
-      A function with `fun`'s signature returning ``(value, grads)``.
-
-    Raises:
-      ValueError: if `opt_state` holds no `GradScalerState`, or several.
-
-    Examples:
-      >>> import jax.numpy as jnp, optax
-      >>> from mpjax.scaler import grad_scaler, scaled_value_and_grad
-      >>> state = grad_scaler(optax.sgd(0.1), init_scale=4.0).init(jnp.zeros(2))
-      >>> scaled_value_and_grad(lambda w: jnp.sum(w**2), state)(jnp.ones(2))
-      (Array(2., dtype=float32), Array([8., 8.], dtype=float32))
-    """
-    scale = _value(_find_state(opt_state, "scaled_value_and_grad").scale, jnp.float32)
-
-    def scaled_fun(*args, **kwargs):
-        out = fun(*args, **kwargs)
-        loss, aux = out if has_aux else (out, None)
-        loss = jnp.asarray(loss)
-        dtype = jnp.promote_types(loss.dtype, jnp.float32)
-        return loss.astype(dtype) * scale.astype(dtype), (loss, aux)
-
-    grad_fn = value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
-
-    def wrapped(*args, **kwargs):
-        (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
-        return ((loss, aux) if has_aux else loss), grads
-
-    return wrapped
 
 
 def scaler_stats(opt_state: Any) -> dict[str, jax.Array]:

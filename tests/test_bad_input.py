@@ -16,7 +16,7 @@ remaining inputs.
 | Python bool / int / float / str arguments (positional, keyword, inside pytrees) | passed to ``fun`` unchanged, as Python objects: they may steer control flow and shapes; ``jax.jit(..., static_argnames=...)`` around autocast works |
 | a JAX array (or a NumPy scalar, which counts as an array) in Python control flow: ``if x``, ``range(n)``, ``float(x)`` | JAX's error, with mpjax's note: "Pass such flags as Python bools or ints ..., close over them, or use lax.cond / jnp.where" |
 | ``audit(autocast(f), x, True)`` with a static Python flag          | works: audit passes non-array leaves to ``fun`` unchanged, as autocast does |
-| get_scale / set_scale / scale_loss / scaled_value_and_grad / scaler_stats on the optimizer itself (``tx``), on params, on ``None``, on an ``nnx.Optimizer`` without a scaler | ValueError: "no GradScalerState found in `opt_state` (a <type>). Build the optimizer with mpjax.grad_scaler(inner) ... Pass the state its init returned." |
+| get_scale / set_scale / scaled_value_and_grad / scaler_stats on the optimizer itself (``tx``), on params, on ``None``, on an ``nnx.Optimizer`` without a scaler | ValueError: "no GradScalerState found in `opt_state` (a <type>). Build the optimizer with mpjax.grad_scaler(inner) ... Pass the state its init returned." |
 | (any helper)                                                     | the message starts with the name of the helper called |
 | the same helpers on a state holding two scalers                  | ValueError: "found 2 GradScalerStates ... (at <paths>) ... Wrap the whole optimizer in a single grad_scaler" |
 | ``grad_scaler(...).update`` on a state that holds no scaler (e.g. a pre-mpjax checkpoint) | TypeError naming ``state`` and GradScalerState, and how to restore into ``tx.init(params)`` |
@@ -41,7 +41,6 @@ import mpjax
 from mpjax import (
     get_scale,
     grad_scaler,
-    scale_loss,
     scaled_value_and_grad,
     scaler_stats,
     set_scale,
@@ -211,7 +210,6 @@ def test_audit_keeps_python_flags_static_like_autocast():
 HELPERS = {
     "get_scale": get_scale,
     "set_scale": lambda s: set_scale(s, 2.0),
-    "scale_loss": lambda s: scale_loss(jnp.float32(1.0), s),
     "scaled_value_and_grad": lambda s: scaled_value_and_grad(lambda p: 0.0, s),
     "scaler_stats": scaler_stats,
 }

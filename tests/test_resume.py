@@ -106,7 +106,11 @@ CASES = {
     ),
     "accumulation_steps=3": (
         lambda: mpjax.grad_scaler(
-            optax.adam(1e-2), init_scale=2.0**10, growth_interval=2, accumulation_steps=3
+            optax.adam(1e-2),
+            init_scale=2.0**10,
+            growth_interval=2,
+            accumulation_steps=3,
+            accumulation="mean",
         ),
         15,
         7,

@@ -6,9 +6,10 @@ of the float32 range.
   XLA copies it into every fusion that reads it and the compiled program grows
   with the square of the leaf count (minutes to compile a 100-leaf model). The
   test reads the size of the compiled program rather than a time.
-* Unscaling must be exact over the whole float32 range of scales: above 2**126 a
-  single float32 reciprocal of the scale is subnormal, which backends flush to
-  zero, and the step would silently apply zero updates.
+* Unscaling (in `scaled_value_and_grad`) must be exact over the whole float32
+  range of scales: above 2**126 a single float32 reciprocal of the scale is
+  subnormal, which backends flush to zero, and the step would silently apply zero
+  updates.
 """
 
 import jax
@@ -18,6 +19,7 @@ import optax
 import pytest
 
 import mpjax
+from mpjax.gradients import unscale
 
 
 def _compiled_size(tx, n_leaves: int) -> int:
@@ -40,24 +42,22 @@ def test_compiled_update_grows_linearly_with_the_number_of_leaves():
 
 def test_accumulating_update_grows_linearly_with_the_number_of_leaves():
     bare = _compiled_size(optax.adam(1e-3), 200)
-    scaled = _compiled_size(mpjax.grad_scaler(optax.adam(1e-3), accumulation_steps=4), 200)
+    scaled = _compiled_size(
+        mpjax.grad_scaler(optax.adam(1e-3), accumulation_steps=4, accumulation="mean"), 200
+    )
     assert scaled <= 5 * bare, (scaled, bare)
 
 
-def _unscaled(scale: float, true_grads: np.ndarray) -> tuple[np.ndarray, bool]:
-    """What `static_scaler(sgd(1))` applies for gradients scaled by `scale`."""
-    tx = mpjax.static_scaler(optax.sgd(1.0), scale)
-    state = tx.init({"w": jnp.zeros(true_grads.shape)})
+def _unscaled(scale: float, true_grads: np.ndarray) -> np.ndarray:
+    """What `scaled_value_and_grad` returns for gradients scaled by `scale`."""
     scaled = (true_grads.astype(np.float64) * np.float32(scale)).astype(np.float32)
-    updates, state = jax.jit(tx.update)({"w": jnp.asarray(scaled)}, state)
-    return -np.asarray(updates["w"]), bool(state.last_step_skipped)
+    return np.asarray(jax.jit(unscale)(jnp.asarray(scaled), jnp.float32(scale)))
 
 
 @pytest.mark.parametrize("scale", [2.0**127, 1.5 * 2.0**126, 2.0**100, 2.0**65, 3.0e38])
 def test_unscaling_is_exact_at_the_largest_scales(scale):
     true = np.array([0.5, -0.25, 1.0e-20, 0.0], np.float32)
-    got, skipped = _unscaled(scale, true)
-    assert not skipped
+    got = _unscaled(scale, true)
     scaled = (true.astype(np.float64) * np.float32(scale)).astype(np.float32)
     # the exact quotient of the float32 scaled gradient, rounded once
     expected = (scaled.astype(np.float64) / np.float64(np.float32(scale))).astype(np.float32)
@@ -65,30 +65,42 @@ def test_unscaling_is_exact_at_the_largest_scales(scale):
     np.testing.assert_allclose(got, true, rtol=2**-23)
 
 
+def test_scaled_value_and_grad_at_the_largest_scale_returns_the_gradients():
+    true = jnp.asarray([0.75, -1.5, 2.0**-60], jnp.float32)
+    state = mpjax.static_scaler(optax.sgd(1.0), 2.0**127).init(jnp.zeros(3))
+    _, grads = jax.jit(mpjax.scaled_value_and_grad(lambda w: jnp.vdot(w, true), state))(
+        jnp.zeros(3)
+    )
+    np.testing.assert_array_equal(np.asarray(grads), np.asarray(true))
+
+
 @pytest.mark.parametrize("scale", [2.0**64, 2.0**16, 1000.0, 1.1])
 def test_unscaling_is_torchs_single_multiply_up_to_2_to_the_64(scale):
     rng = np.random.default_rng(0)
     scaled = rng.standard_normal(64).astype(np.float32) * np.float32(scale)
-    tx = mpjax.static_scaler(optax.sgd(1.0), scale)
-    state = tx.init({"w": jnp.zeros(64)})
-    updates, _ = jax.jit(tx.update)({"w": jnp.asarray(scaled)}, state)
+    got = np.asarray(jax.jit(unscale)(jnp.asarray(scaled), jnp.float32(scale)))
     inv = np.float32(1.0 / np.float64(np.float32(scale)))  # torch: f32(1 / double(scale))
-    np.testing.assert_array_equal(-np.asarray(updates["w"]), scaled * inv)
+    np.testing.assert_array_equal(got, scaled * inv)
 
 
 def test_growth_to_the_top_of_float32_keeps_applying_nonzero_updates():
     # From the defaults, a long run of finite steps grows the scale towards
     # float32's maximum; every step there must still move the parameters.
     tx = mpjax.grad_scaler(optax.sgd(1.0), init_scale=2.0**120, growth_interval=1)
-    params = {"w": jnp.zeros(2)}
+    params = jnp.zeros(2)
     state = tx.init(params)
-    update = jax.jit(tx.update)
+    true = jnp.asarray([0.75, -1.5], jnp.float32)
+
+    @jax.jit
+    def step(params, state):
+        _, grads = mpjax.scaled_value_and_grad(lambda w: jnp.vdot(w, true), state)(params)
+        updates, state = tx.update(grads, state)
+        return updates, state
+
     for _ in range(10):
-        scale = float(state.scale)
-        scaled = {"w": jnp.asarray([0.75, -1.5], jnp.float32) * jnp.float32(scale)}
-        updates, state = update(scaled, state)
+        updates, state = step(params, state)
         assert not bool(state.last_step_skipped)
-        np.testing.assert_array_equal(np.asarray(updates["w"]), [-0.75, 1.5])
+        np.testing.assert_array_equal(np.asarray(updates), [-0.75, 1.5])
     assert float(state.scale) == 2.0**127  # growth refused at the top, not overflowed
 
 
@@ -96,21 +108,19 @@ def test_unscaling_is_exact_at_the_smallest_scale():
     # Scaled gradients that are normal float32 numbers unscale exactly; those
     # below 2**-126 are flushed by the backend (see the loss-scaling docs).
     true = np.array([1.5, -3.0, 3.0e30], np.float32)
-    got, skipped = _unscaled(2.0**-126, true)
-    assert not skipped
-    np.testing.assert_array_equal(got, true)
+    np.testing.assert_array_equal(_unscaled(2.0**-126, true), true)
 
 
-def test_accumulated_scaled_gradients_do_not_overflow_before_torchs():
-    # Four micro-batches whose scaled gradients are each near float32's
-    # maximum: their sum overflows, their mean (what torch's recipe, dividing
-    # the loss by k, accumulates) does not.
-    k, scale = 4, 2.0**100
-    tx = mpjax.grad_scaler(optax.sgd(1.0), init_scale=scale, accumulation_steps=k)
+def test_accumulated_gradients_near_the_float32_maximum_do_not_overflow():
+    # Four micro-batches whose gradients are each near float32's maximum: their
+    # sum overflows, their mean (what torch's recipe, dividing the loss by k,
+    # accumulates) does not.
+    k = 4
+    tx = mpjax.grad_scaler(optax.sgd(1.0), accumulation_steps=k, accumulation="mean")
     state = tx.init({"w": jnp.zeros(2)})
     update = jax.jit(tx.update)
-    micro = {"w": jnp.asarray([2.0**27, -(2.0**26)], jnp.float32) * jnp.float32(scale)}
+    micro = {"w": jnp.asarray([2.0**126, -(2.0**125)], jnp.float32)}
     for _ in range(k):
         updates, state = update(micro, state)
     assert not bool(state.last_step_skipped)
-    np.testing.assert_array_equal(np.asarray(updates["w"]), [-(2.0**27), 2.0**26])
+    np.testing.assert_array_equal(np.asarray(updates["w"]), [-(2.0**126), 2.0**125])

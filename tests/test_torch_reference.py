@@ -4,8 +4,10 @@
 steps) of torch 2.13's GradScaler (CPU) around torch.optim.SGD / Adam, recorded
 by `torch_reference/record.py` (torch is needed only to re-record; this test
 reads the JSON). Each is replayed through ``grad_scaler(optax.sgd(lr, momentum))``
-or ``grad_scaler(optax.adam(lr, b1, b2, eps))`` with the same hyperparameters
-and the same scaled gradients, and compared step by step:
+or ``grad_scaler(optax.adam(lr, b1, b2, eps))`` with the same hyperparameters,
+fed torch's scaled gradients unscaled as `mpjax.scaled_value_and_grad` unscales
+its own (``mpjax.gradients.unscale`` by the scale in the state; the scaler's
+``update`` takes the loss's gradients), and compared step by step:
 
 * skip decision (mpjax ``last_step_skipped`` == torch ``found_inf``): equal;
 * scale and growth tracker: bit for bit;
@@ -40,36 +42,21 @@ Deliberate differences, the only comparisons skipped or loosened:
     overflows once divided by a scale below 1: torch does not skip and applies
     inf; mpjax skips (and backs off). Sequences tagged "unscale_overflow" end
     with such a step: there mpjax must have skipped and backed off, torch not.
-(c) Accumulation. mpjax is fed the micro-batches' scaled gradients of the
-    *undivided* loss and multiplies their sum by float32 ``1/k``; torch's recipe
-    divides the loss by k, i.e. sums ``float32(g_i / k)``. For k = 2 and 4 the
-    two are the same numbers (power-of-two scaling commutes with rounding); for
-    k = 3 they differ by rounding: the unscaled gradients are compared within
-    ``(2k + 3) * 2**-24 * sum_i |g_i| / (k * scale)`` (the first-order bound on
-    both roundings; measured at most 1.9 * 2**-23 * that sum), not exactly.
+(c) Accumulation. mpjax unscales each micro-batch's gradients (of the
+    *undivided* loss), multiplies them by float32 ``1/k`` and sums them
+    (``accumulation="mean"``); torch's recipe divides the loss by k, sums
+    ``float32(g_i / k)`` and unscales the sum. The roundings happen in another
+    order, so the unscaled gradients are compared within
+    ``(4k + 4) * 2**-24 * sum_i |g_i| / (k * scale)`` (a first-order bound on
+    both sides' roundings), not exactly. Near float32's maximum torch's sum of
+    the ``g_i / k`` stays finite, and so does mpjax's sum of unscaled gradients
+    (`test_accumulation_near_the_float32_maximum`).
 (d) Scales above ``2**126``. torch unscales with ``float32(1 / scale)``, a
     subnormal there, keeping only 21-22 bits (measured: within 2**-22 of the
     exact quotient); mpjax may unscale in two exact power-of-two steps instead.
     Unscaled gradients at such steps are compared with a relative tolerance of
-    ``2**-20``, not bit for bit (`test_unscale_above_2_126`).
-
-Mismatches found that are not among these, each a strict xfail (so that a fix
-shows up as an XPASS), checked from torch's scale on the step alone:
-
-* `test_unscale_above_2_126` (sequences tagged "above_2**126", configs c01,
-  c06, c07): at a scale above 2**126 mpjax's unscaled gradients are all 0 (its
-  float32 ``1 / scale`` is subnormal and XLA's CPU backend flushes it to zero),
-  so the step is applied with zero gradients; torch's are the gradients to 22
-  bits. Scale, tracker and skips still agree and `test_matches_torch` checks
-  them to the end, but stops comparing gradients and parameters at the first
-  such step (``above_top`` in `compare`; drop that once this is fixed, and
-  compare the parameters after it with a little more slack).
-* `test_accumulation_sum_overflow` (sequences tagged
-  "accumulation_sum_overflow", configs c09 to c13, their last step): each
-  micro-batch gradient and torch's sum of the ``g_i / k`` are finite, but
-  mpjax's float32 sum of the undivided ``g_i`` overflows: mpjax skips the step
-  (and backs off) where torch steps. A consequence of (c) at the top of
-  float32's range.
+    ``2**-20``, not bit for bit, and the parameters after them with that much
+    more slack (`test_unscale_above_2_126` checks those steps on their own).
 """
 
 from __future__ import annotations
@@ -87,6 +74,7 @@ import optax
 import pytest
 from jax import lax
 
+from mpjax.gradients import unscale
 from mpjax.scaler import grad_scaler
 
 DATA = json.loads(
@@ -199,6 +187,7 @@ def make_scaler(seq, init_scale):
         backoff_factor=h["backoff_factor"],
         growth_interval=h["growth_interval"],
         accumulation_steps=h["accumulation_steps"],
+        accumulation="mean",
         **floor,
     )
 
@@ -219,7 +208,7 @@ def replay_config(config):
         def body(carry, x):
             params, state = carry
             g, on = x
-            updates, new_state = tx.update(unflat(g), state, params)
+            updates, new_state = tx.update(unscale(unflat(g), state.scale), state, params)
             new_params = optax.apply_updates(params, updates)
             params, state = jax.tree.map(
                 lambda new, old: jnp.where(on, new, old),
@@ -275,7 +264,7 @@ def floor_rule(scale, tracker, found_inf, h, min_scale):
 def accumulation_bound(step, k, scale):
     """(c): |mpjax - torch| for the unscaled mean of k micro-batches, first order."""
     total = sum(np.abs(flat(g).astype(np.float64)) for g in step["micro_grads"])
-    return (2 * k + 3) * U * total / (k * np.float64(scale))
+    return (4 * k + 4) * U * total / (k * np.float64(scale))
 
 
 def param_bound(bound, torch_params, torch_prev, slack):
@@ -301,7 +290,7 @@ def compare(seq_id):
     torch_prev = flat(seq["params0"]).astype(np.float64)
     bound = np.zeros_like(torch_prev)
     floored = False  # (a): mpjax's scale is at the floor and torch's below it
-    above_top = False  # an applied step above 2**126 (a known mismatch) was seen
+    above_top = False  # an applied step above 2**126 was seen: (d) from there on
     for t, step in enumerate(seq["steps"]):
         kind = kinds[t]
         tag = where(seq_id, t, kind or "ordinary")
@@ -318,8 +307,6 @@ def compare(seq_id):
             assert scales[t] == backed_off and trackers[t] == 0, tag + ": backoff"
             assert t == len(seq["steps"]) - 1, tag
             return
-        if kind == "sum_overflow":
-            return  # a known mismatch, the sequence's last step: see its own test
 
         # Skip decisions and the tracker.
         assert bool(skipped[t]) == found_inf, tag + ": skip decision"
@@ -341,15 +328,17 @@ def compare(seq_id):
                 f"{tag}: scale {scales[t]!r} != torch {new_torch_scale!r}"
             )
         if kind == "d":
-            # A known mismatch (see test_unscale_above_2_126): from here on the
-            # gradients and parameters are not compared.
-            above_top = True
-        if floored or above_top:
+            above_top = True  # (d): torch's gradients have 21-22 bits from here on
+        if floored:
             continue
 
         # Unscaled gradients, on applied steps.
         if not found_inf:
-            if k & (k - 1):  # (c): k not a power of two
+            if kind == "d":
+                np.testing.assert_allclose(
+                    seen[t], torch_unscaled, rtol=ABOVE_TOP_RTOL, atol=0, err_msg=tag
+                )
+            elif k > 1:  # (c)
                 err = np.abs(seen[t].astype(np.float64) - torch_unscaled)
                 limit = accumulation_bound(step, k, torch_scale)
                 assert (err <= limit).all(), f"{tag}: unscaled {seen[t]} vs {torch_unscaled}"
@@ -358,7 +347,9 @@ def compare(seq_id):
                     f"{tag}: unscaled gradients {seen[t]!r} != torch {torch_unscaled!r}"
                 )
         # Parameters.
-        bound = param_bound(bound, torch_params, torch_prev, slack)
+        bound = param_bound(
+            bound, torch_params, torch_prev, slack + (ABOVE_TOP_RTOL if above_top else 0.0)
+        )
         err = np.abs(params[t].astype(np.float64) - torch_params)
         assert (err <= bound).all(), (
             f"{tag}: params {params[t]!r} vs torch {torch_params!r}, "
@@ -372,12 +363,17 @@ def one_step(k):
     """One effective step of ``grad_scaler(chain(probe, sgd(1.0)))`` from a given
     scale: (skipped, the unscaled gradients inner saw). For the known mismatches,
     which depend only on the scale and that step's gradients."""
-    tx = grad_scaler(optax.chain(probe(), optax.sgd(1.0)), min_scale=NO_FLOOR, accumulation_steps=k)
+    tx = grad_scaler(
+        optax.chain(probe(), optax.sgd(1.0)),
+        min_scale=NO_FLOOR,
+        accumulation_steps=k,
+        accumulation="mean",
+    )
 
     @jax.jit
     def run(state, micro_grads):
         def body(state, g):
-            return tx.update(unflat(g), state)[1], None
+            return tx.update(unscale(unflat(g), state.scale), state)[1], None
 
         state = lax.scan(body, state, micro_grads)[0]
         seen = jnp.concatenate([x.ravel() for x in state.inner_state[0]])
@@ -389,6 +385,7 @@ def one_step(k):
             init_scale=float(scale),
             min_scale=NO_FLOOR,
             accumulation_steps=k,
+            accumulation="mean",
         ).init(unflat(np.zeros(sum(SIZES), np.float32)))
         skipped, seen = run(state, np.stack([flat(g) for g in micro_grads]))
         return bool(skipped), np.asarray(seen)
@@ -442,12 +439,6 @@ def test_matches_torch(config):
 
 
 @pytest.mark.parametrize("seq_id", [i for i in SEQUENCES if "d" in classify(i)])
-@pytest.mark.xfail(
-    strict=True,
-    reason="at a scale above 2**126 mpjax's float32 1/scale is subnormal and flushed "
-    "to zero on CPU: the step is applied with zero gradients (torch: the gradients, "
-    "to 22 bits)",
-)
 def test_unscale_above_2_126(seq_id):
     """(d): at an applied step above 2**126, mpjax's unscaled gradients, from
     torch's scale, are torch's to a relative 2**-20."""
@@ -468,12 +459,7 @@ def test_unscale_above_2_126(seq_id):
 
 
 @pytest.mark.parametrize("seq_id", [i for i in SEQUENCES if "sum_overflow" in classify(i)])
-@pytest.mark.xfail(
-    strict=True,
-    reason="accumulation: mpjax's float32 sum of the micro-batches' undivided scaled "
-    "gradients overflows where torch's sum of grad / k does not: mpjax skips, torch steps",
-)
-def test_accumulation_sum_overflow(seq_id):
+def test_accumulation_near_the_float32_maximum(seq_id):
     """At the sequence's last step, from torch's scale, mpjax steps as torch does."""
     seq = SEQUENCES[seq_id]
     t = len(seq["steps"]) - 1

@@ -14,9 +14,11 @@ params = {"w1": jax.random.normal(jax.random.key(0), (16, 32)) * 0.25,
 x = jax.random.normal(jax.random.key(2), (4, 8, 16))   # 4 micro-batches of 8
 y = jnp.sin(x[..., :1])
 
-# One effective step per 4 micro-batches: the gradients are summed in float32,
-# checked, unscaled and given to adam once, and the scale is updated once.
-optimizer = mpjax.grad_scaler(optax.adam(1e-2), accumulation_steps=4)
+# One effective step per 4 micro-batches: their mean gradient is accumulated in
+# float32, checked and given to adam once, and the scale is updated once. Each
+# micro-batch's loss is a mean over its own examples: accumulation="mean". (A loop
+# ported from PyTorch, whose loss is divided by 4, says accumulation="sum".)
+optimizer = mpjax.grad_scaler(optax.adam(1e-2), accumulation_steps=4, accumulation="mean")
 opt_state = optimizer.init(params)
 loss = mpjax.autocast(loss_fn)
 
@@ -37,8 +39,8 @@ for epoch in range(10):
         params = new_params
 print(f"loss {value:.4f}")
 
-# Why not optax.MultiSteps(grad_scaler(...))? MultiSteps accumulates the *scaled*
-# gradients and resets its accumulator by multiplying it by 0. One overflowing
+# Why not optax.MultiSteps(grad_scaler(...))? MultiSteps resets its accumulator by
+# multiplying it by 0. One overflowing
 # micro-batch (normal with dynamic scaling) leaves an inf there, 0 * inf is NaN,
 # and every later effective step is skipped: training silently stops.
 grad = {"w": jnp.ones(3)}
@@ -46,7 +48,7 @@ overflow = {"w": jnp.array([1.0, jnp.inf, 1.0])}
 stream = [grad, overflow] + [grad] * 8              # one bad micro-batch, then good ones
 
 trap = optax.MultiSteps(mpjax.grad_scaler(optax.sgd(0.1)), every_k_schedule=2)
-right = mpjax.grad_scaler(optax.sgd(0.1), accumulation_steps=2)
+right = mpjax.grad_scaler(optax.sgd(0.1), accumulation_steps=2, accumulation="mean")
 trap_state, right_state = trap.init(grad), right.init(grad)
 trap_update, right_update = jax.jit(trap.update), jax.jit(right.update)
 for g in stream:

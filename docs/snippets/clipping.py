@@ -15,8 +15,8 @@ params = {"w1": jax.random.normal(jax.random.key(0), (16, 32)) * 0.25,
 x = jax.random.normal(jax.random.key(2), (64, 16))
 y = jnp.sin(x[:, :1])
 
-# Clip inside the scaler: it unscales the gradients before the chain sees them,
-# as torch's scaler.unscale_(optimizer) before clip_grad_norm_.
+# Clip inside the scaler. The gradients are already unscaled, as after torch's
+# scaler.unscale_(optimizer), and a skipped step leaves the whole chain as it was.
 optimizer = mpjax.grad_scaler(optax.chain(
     optax.clip_by_global_norm(1.0),
     optax.adamw(1e-2),
@@ -28,8 +28,8 @@ loss = mpjax.autocast(loss_fn)
 @jax.jit
 def step(params, opt_state, x, y):
     value, grads = mpjax.scaled_value_and_grad(loss, opt_state)(params, x, y)
-    # The norm of the true (unscaled) gradients, for logging.
-    grad_norm = optax.tree.norm(grads) / mpjax.get_scale(opt_state)
+    # The gradients are the loss's own (unscaled): their norm, for logging.
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value, grad_norm
 

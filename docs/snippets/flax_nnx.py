@@ -30,8 +30,8 @@ loss = mpjax.autocast(loss_fn)     # modules pass straight through; their update
 
 @nnx.jit
 def step(model, optimizer, x, y):
-    value, grads = mpjax.scaled_value_and_grad(
-        loss, optimizer.opt_state, value_and_grad=nnx.value_and_grad)(model, x, y)
+    # NNX modules are differentiated with nnx.value_and_grad, by themselves.
+    value, grads = mpjax.scaled_value_and_grad(loss, optimizer.opt_state)(model, x, y)
     optimizer.update(model, grads)
     return value
 

@@ -48,8 +48,9 @@ assert mpjax.get_scale(opt_state) == 1024.0
 stats = mpjax.scaler_stats(opt_state)
 print(f"loss {value:.4f}, scale was {scale}, skipped {stats['skipped_steps']}")
 
-# scaler.scale(loss) on its own, for a hand-written gradient.
-grads = jax.jit(jax.grad(lambda p: mpjax.scale_loss(loss(p, x, y), opt_state)))(params)
+# scaler.scale(loss).backward(); scaler.unscale_(optimizer): both are inside
+# scaled_value_and_grad, whose gradients are the loss's own, ready to clip or log.
+value, grads = jax.jit(mpjax.scaled_value_and_grad(loss, opt_state))(params, x, y)
 
 # scaler.state_dict() / load_state_dict(): nothing to do. The scaler's state is a
 # GradScalerState inside opt_state; checkpoint opt_state and it is saved.

@@ -1,0 +1,157 @@
+"""The argument checks of `grad_scaler`, `static_scaler` and `noop_scaler`.
+
+Each raises a ValueError that names the function, the argument, what is valid and
+what was given.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpjax._float32 import MIN_NORMAL_F32
+from mpjax._scaler_update import ScalerConfig
+
+# The default floor of the scale: the smallest normal float16. See `grad_scaler`.
+DEFAULT_MIN_SCALE = 2.0**-14
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def grad_scaler_config(
+    init_scale,
+    growth_factor,
+    backoff_factor,
+    growth_interval,
+    min_scale,
+    enabled,
+    accumulation_steps,
+    accumulation,
+    axis_name,
+) -> ScalerConfig:
+    """`grad_scaler`'s arguments, checked."""
+    name = "grad_scaler"
+    init_scale = check_number(
+        name, "init_scale", init_scale, "a finite number > 0", lambda v: 0 < v < math.inf
+    )
+    with np.errstate(over="ignore"):
+        overflows = not np.isfinite(np.float32(init_scale))
+    if overflows:
+        raise ValueError(
+            f"{name}: init_scale={init_scale!r} overflows float32; "
+            f"it must be at most {float(np.finfo(np.float32).max)!r}."
+        )
+    growth_factor = check_number(
+        name, "growth_factor", growth_factor, "a finite number > 1", lambda v: 1 < v < math.inf
+    )
+    backoff_factor = check_number(
+        name, "backoff_factor", backoff_factor, "a number in (0, 1)", lambda v: 0 < v < 1
+    )
+    growth_interval = check_int(name, "growth_interval", growth_interval)
+    min_scale = check_number(
+        name,
+        "min_scale",
+        min_scale,
+        "a finite number >= 2**-126 (a normal float32)",
+        lambda v: MIN_NORMAL_F32 <= v < math.inf,
+    )
+    if init_scale < min_scale:
+        raise ValueError(
+            f"{name}: init_scale={init_scale!r} is below "
+            f"min_scale={min_scale!r}; raise init_scale or lower min_scale."
+        )
+    return ScalerConfig(
+        init_scale=init_scale if enabled else 1.0,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+        min_scale=min_scale,
+        dynamic=True,
+        enabled=bool(enabled),
+        accumulation_steps=(steps := check_int(name, "accumulation_steps", accumulation_steps)),
+        accumulation=check_accumulation(name, steps, accumulation),
+        axis_name=axis_name,
+    )
+
+
+def check_accumulation(fn: str, steps: int, accumulation) -> str:
+    """How micro-batch gradients combine: required as soon as there are several."""
+    if accumulation in ("mean", "sum"):
+        return accumulation
+    if accumulation is None and steps == 1:
+        return "mean"  # one micro-batch: mean and sum agree
+    raise ValueError(
+        f"{fn}(accumulation_steps={steps}): pass accumulation='mean' if each "
+        "micro-batch's loss is a mean over its own examples (as with optax.MultiSteps), "
+        "or accumulation='sum' if the loss is already divided by accumulation_steps "
+        f"(the PyTorch recipe); got accumulation={accumulation!r}."
+    )
+
+
+def check_no_float16(params) -> None:
+    """Refuses float16 parameters, as torch refuses to unscale float16 gradients.
+
+    An optimizer's small constants underflow in float16 (adam's eps=1e-8 is 0), so
+    its updates are not finite and every step would be skipped.
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    paths = [
+        jax.tree_util.keystr(path) or "<root>"
+        for path, leaf in flat
+        if jnp.result_type(leaf) == jnp.float16
+    ]
+    if paths:
+        shown = ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+        raise ValueError(
+            f"grad_scaler init: the parameters at {shown} are float16. Keep the "
+            "parameters (and the optimizer state) in float32 and let mpjax.autocast "
+            "cast them to float16 for the matrix products: an optimizer's small "
+            "constants (adam's eps) underflow in float16, its updates are not finite, "
+            "and every step would be skipped. (torch refuses the same: 'Attempting "
+            "to unscale FP16 gradients'.)"
+        )
+
+
+def check_static_scale(scale) -> float:
+    """`static_scaler`'s scale, checked."""
+    name = "static_scaler"
+    scale = check_number(
+        name,
+        "scale",
+        scale,
+        "a finite float32 number >= 2**-126 (a normal float32)",
+        lambda v: MIN_NORMAL_F32 <= v < math.inf,
+    )
+    with np.errstate(over="ignore"):
+        overflows = not np.isfinite(np.float32(scale))
+    if overflows:
+        raise ValueError(
+            f"{name}: scale={scale!r} overflows float32; it must be at "
+            f"most {float(np.finfo(np.float32).max)!r}."
+        )
+    return scale
+
+
+def check_number(fn: str, name: str, value, valid: str, ok) -> float:
+    """`value` as a float if it is a real number (not bool) with `ok(value)`."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{fn}: {name} must be {valid}, got {value!r} (a {type(value).__name__}).")
+    value = float(value)
+    if math.isnan(value) or not ok(value):
+        raise ValueError(f"{fn}: {name} must be {valid}, got {value!r}.")
+    return value
+
+
+def check_int(fn: str, name: str, value) -> int:
+    """`value` as an int if it is an integer in [1, 2**31 - 1]."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise ValueError(
+            f"{fn}: {name} must be an integer >= 1, got {value!r} (a {type(value).__name__})."
+        )
+    value = int(value)
+    if not 1 <= value <= _INT32_MAX:
+        raise ValueError(f"{fn}: {name} must be an integer in [1, {_INT32_MAX}], got {value!r}.")
+    return value

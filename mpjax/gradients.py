@@ -1,0 +1,177 @@
+"""`scaled_value_and_grad`: true gradients, computed with the loss scaled inside.
+
+Float16 gradients underflow unless the loss is multiplied by a large factor before
+differentiation. Here the multiplication and the division that undoes it happen in
+one function: the loss is scaled by the scale held in the optimizer state, the
+scaled loss is differentiated, and the gradients are divided by the scale again, in
+float32, before they are returned. So the gradients a user sees, logs, clips or
+all-reduces are the gradients of the loss, and the scaler's ``update`` takes the
+gradients of the loss: gradients from plain ``jax.grad`` or ``nnx.grad`` train
+correctly too (without the underflow protection the scaling gives).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mpjax._float32 import reciprocal
+from mpjax.scaler_state import _find_state, _value
+
+__all__ = ["scaled_value_and_grad"]
+
+_NAME = "scaled_value_and_grad"
+
+
+def scaled_value_and_grad(
+    fun: Callable[..., Any],
+    opt_state: Any,
+    *,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    value_and_grad: Callable[..., Callable[..., Any]] | None = None,
+) -> Callable[..., tuple[Any, Any]]:
+    """Like ``jax.value_and_grad(fun)``, with the loss scaled inside.
+
+    The returned function takes `fun`'s arguments and returns ``(value, grads)``
+    (``((value, aux), grads)`` with `has_aux`): `value` is `fun`'s own loss, and
+    `grads` the gradients of that loss, ready for the scaler's ``update``. They are
+    computed as the gradients of ``loss * scale`` (``scale`` read from `opt_state`,
+    float32), then multiplied by float32 ``1 / scale``, so that small 16-bit
+    gradients do not underflow in the backward pass (torch's ``scaler.scale(loss)
+    .backward()`` followed by ``scaler.unscale_``). A gradient that overflowed stays
+    inf or NaN, and the scaler's ``update`` skips the step. Call it inside the
+    training step, each step: the scale changes as training goes.
+
+    Flax NNX modules among the differentiated arguments are differentiated with
+    ``nnx.value_and_grad`` (with respect to their ``nnx.Param`` state).
+
+    Args:
+      fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with
+        `has_aux`.
+      opt_state: an optimizer state holding exactly one `GradScalerState`.
+      argnums: as for ``jax.value_and_grad``.
+      has_aux: as for ``jax.value_and_grad``.
+      value_and_grad: the differentiation transform. By default
+        ``jax.value_and_grad``, or ``flax.nnx.value_and_grad`` when a
+        differentiated argument is an NNX module.
+
+    Returns:
+      A function with `fun`'s signature returning ``(value, grads)``.
+
+    Raises:
+      ValueError: if `opt_state` holds no `GradScalerState` (or several); when
+        called, if `fun` does not return a scalar floating loss (or a
+        ``(loss, aux)`` pair with `has_aux`), with the fix in the message.
+      TypeError: if `fun` is not callable.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from mpjax import grad_scaler, scaled_value_and_grad
+      >>> state = grad_scaler(optax.sgd(0.1), init_scale=4.0).init(jnp.zeros(2))
+      >>> scaled_value_and_grad(lambda w: jnp.sum(w**2), state)(jnp.ones(2))
+      (Array(2., dtype=float32), Array([2., 2.], dtype=float32))
+    """
+    if not callable(fun):
+        raise TypeError(
+            f"{_NAME}(fun, opt_state): fun must be the loss function, got {type(fun).__name__}."
+        )
+    scale = _value(_find_state(opt_state, _NAME).scale, jnp.float32)
+
+    def scaled_fun(*args, **kwargs):
+        out = fun(*args, **kwargs)
+        loss, aux = _loss_and_aux(out, has_aux, _differentiated(args, argnums))
+        dtype = jnp.promote_types(loss.dtype, jnp.float32)
+        return loss.astype(dtype) * scale.astype(dtype), (loss, aux)
+
+    def wrapped(*args, **kwargs):
+        transform = _value_and_grad_for(args, argnums, value_and_grad)
+        grad_fn = transform(scaled_fun, argnums=argnums, has_aux=True)
+        (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+        return ((loss, aux) if has_aux else loss), unscale(grads, scale)
+
+    return wrapped
+
+
+def unscale(grads, scale: jax.Array):
+    """`grads` multiplied by float32 ``1 / scale``, each leaf keeping its dtype.
+
+    Up to a scale of 2**64 this is torch's ``unscale_``, bit for bit; above, the
+    reciprocal comes in two normal factors, exact up to float32's largest scale
+    (see `mpjax._float32.reciprocal`).
+    """
+    inverse, tail = reciprocal(scale)
+
+    def one(g):
+        if not jnp.issubdtype(jnp.result_type(g), jnp.inexact):
+            return g  # float0 gradients of integer inputs
+        wide = jnp.promote_types(g.dtype, jnp.float32)
+        return (g.astype(wide) * inverse * tail).astype(g.dtype)
+
+    return jax.tree.map(one, grads)
+
+
+def _differentiated(args, argnums):
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    return [args[i] for i in nums if i < len(args)]
+
+
+def _loss_and_aux(out, has_aux: bool, differentiated: list):
+    """`fun`'s output split into a checked scalar loss and its aux."""
+    if has_aux:
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise ValueError(
+                f"{_NAME}(has_aux=True): fun must return a (loss, aux) pair, got "
+                f"{_describe(out)}. Return (loss, aux), or drop has_aux=True."
+            )
+        loss, aux = out
+    elif isinstance(out, (tuple, list)):
+        raise ValueError(
+            f"{_NAME}: fun returned a {type(out).__name__} of {len(out)} values; it must "
+            "return the scalar loss. If it returns (loss, aux), pass has_aux=True."
+        )
+    else:
+        loss, aux = out, None
+    if not hasattr(loss, "shape") and not isinstance(loss, (int, float)):
+        structure = jax.tree.structure(loss)
+        if any(structure == jax.tree.structure(a) for a in differentiated):
+            raise ValueError(
+                f"{_NAME}: fun returned a pytree shaped like the parameters, not a "
+                "scalar loss: it looks like a gradient function (jax.grad(f)). Pass the "
+                "loss function f itself; scaled_value_and_grad differentiates it."
+            )
+        raise ValueError(f"{_NAME}: fun must return a scalar loss, got {_describe(loss)}.")
+    loss = jnp.asarray(loss)
+    if loss.shape != ():
+        raise ValueError(
+            f"{_NAME}: fun must return a scalar loss, got an array of shape {loss.shape}. "
+            "Reduce it to one number first (e.g. loss.mean())."
+        )
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise ValueError(f"{_NAME}: fun must return a floating-point loss, got dtype {loss.dtype}.")
+    return loss, aux
+
+
+def _describe(x) -> str:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return f"a {type(x).__name__}"
+
+
+def _value_and_grad_for(args, argnums, value_and_grad):
+    """The differentiation transform: NNX's for NNX modules, JAX's otherwise."""
+    if value_and_grad not in (None, jax.value_and_grad):
+        return value_and_grad
+    nnx = sys.modules.get("flax.nnx")  # no NNX module can exist before flax.nnx is imported
+    if nnx is not None and any(
+        isinstance(a, nnx.Module)
+        for a in jax.tree.leaves(
+            _differentiated(args, argnums), is_leaf=lambda x: isinstance(x, nnx.Module)
+        )
+    ):
+        return nnx.value_and_grad
+    return jax.value_and_grad

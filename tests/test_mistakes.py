@@ -1,0 +1,292 @@
+"""The first hour of a PyTorch or Flax user: each common mistake either trains
+correctly or stops at the first step with an error that names the fix.
+
+| mistake | outcome |
+|---|---|
+| gradients from ``jax.grad``, ``jax.value_and_grad``, ``nnx.grad``, ``nnx.value_and_grad`` handed to the scaler | trains as with ``scaled_value_and_grad`` (the scaler takes the loss's own gradients) |
+| ``autocast(jax.value_and_grad(f))`` handed to the scaler | trains correctly |
+| a PyTorch loop ported literally: ``loss / k`` with ``accumulation_steps=k`` | ``accumulation="sum"`` gives the mean gradient; leaving ``accumulation`` out is a ValueError naming both choices |
+| float16 parameters given to ``grad_scaler`` | ValueError at ``init`` naming the leaves and the fix |
+| ``scaled_value_and_grad(jax.grad(f))`` | ValueError: looks like a gradient function, pass the loss |
+| a ``(loss, aux)`` loss without ``has_aux=True`` | ValueError naming ``has_aux=True`` |
+| a non-scalar loss | ValueError naming the shape and ``.mean()`` |
+| an NNX module with the default ``value_and_grad`` | differentiated with ``nnx.value_and_grad`` |
+| Linen ``TrainState.apply_gradients`` on a skipped step | the recipe below keeps ``step`` (and so the schedule) where it was |
+| a ``jax.custom_vjp`` whose inside should run in 16 bits | ``jax.custom_vjp(autocast(f))`` with ``defvjp(autocast(fwd), autocast(bwd))`` |
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+from flax.training import train_state
+
+import mpjax
+
+X = jax.random.normal(jax.random.key(0), (64, 16))
+Y = jnp.arange(64) % 4
+
+
+def _params():
+    k1, k2 = jax.random.split(jax.random.key(1))
+    return {
+        "w1": jax.random.normal(k1, (16, 32)) * 0.25,
+        "w2": jax.random.normal(k2, (32, 4)) * 0.18,
+    }
+
+
+def loss_fn(params, x, y):
+    logits = jnp.tanh(x @ params["w1"]) @ params["w2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+loss = mpjax.autocast(loss_fn)
+
+
+def _train(grad_fn, steps=30):
+    """SGD under the scaler, with the gradients computed by `grad_fn`."""
+    tx = mpjax.grad_scaler(optax.sgd(0.5))
+    params = _params()
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state):
+        value, grads = grad_fn(params, opt_state)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    for _ in range(steps):
+        params, opt_state, value = step(params, opt_state)
+    return params, float(value)
+
+
+GRAD_FNS = {
+    "scaled_value_and_grad": lambda p, s: mpjax.scaled_value_and_grad(loss, s)(p, X, Y),
+    "jax.value_and_grad": lambda p, s: jax.value_and_grad(loss)(p, X, Y),
+    "jax.grad": lambda p, s: (loss(p, X, Y), jax.grad(loss)(p, X, Y)),
+    "autocast(jax.value_and_grad(f))": (
+        lambda p, s: mpjax.autocast(jax.value_and_grad(loss_fn))(p, X, Y)
+    ),
+}
+
+
+@pytest.mark.parametrize("how", [h for h in GRAD_FNS if h != "scaled_value_and_grad"])
+def test_plain_gradients_train_like_scaled_ones(how):
+    reference, reference_loss = _train(GRAD_FNS["scaled_value_and_grad"])
+    params, final_loss = _train(GRAD_FNS[how])
+    # The same training, up to float16 rounding: not 65536 times too small.
+    assert final_loss < 0.8 * float(loss_fn(_params(), X, Y))
+    assert abs(final_loss - reference_loss) < 0.02
+    chex.assert_trees_all_close(params, reference, atol=2e-2)
+
+
+class _NNXModel(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(16, 32, rngs=rngs)
+        self.l2 = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jnp.tanh(self.l1(x)))
+
+
+def _nnx_loss(model, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+@pytest.mark.parametrize("how", ["scaled_value_and_grad", "nnx.value_and_grad", "nnx.grad"])
+def test_nnx_gradients_of_any_kind_train(how):
+    model = _NNXModel(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, mpjax.grad_scaler(optax.sgd(0.5)), wrt=nnx.Param)
+    nnx_loss = mpjax.autocast(_nnx_loss)
+    start = float(_nnx_loss(model, X, Y))
+
+    @nnx.jit
+    def step(model, optimizer):
+        if how == "scaled_value_and_grad":
+            # No value_and_grad= argument: the NNX module is detected.
+            _, grads = mpjax.scaled_value_and_grad(nnx_loss, optimizer.opt_state)(model, X, Y)
+        elif how == "nnx.value_and_grad":
+            _, grads = nnx.value_and_grad(nnx_loss)(model, X, Y)
+        else:
+            grads = nnx.grad(nnx_loss)(model, X, Y)
+        optimizer.update(model, grads)
+
+    for _ in range(30):
+        step(model, optimizer)
+    assert float(_nnx_loss(model, X, Y)) < 0.8 * start
+
+
+def test_torch_accumulation_recipe_with_sum_gives_the_mean_gradient():
+    k = 4
+    micro = [(X[i::k], Y[i::k]) for i in range(k)]
+    params = _params()
+
+    def run(tx, micro_loss):
+        state = tx.init(params)
+        update = jax.jit(tx.update)
+        for x, y in micro:
+            grads = jax.grad(micro_loss)(params, x, y)
+            updates, state = update(grads, state, params)
+        return updates
+
+    mean_way = run(
+        mpjax.grad_scaler(optax.sgd(1.0), accumulation_steps=k, accumulation="mean"), loss_fn
+    )
+    torch_way = run(
+        mpjax.grad_scaler(optax.sgd(1.0), accumulation_steps=k, accumulation="sum"),
+        lambda p, x, y: loss_fn(p, x, y) / k,  # PyTorch: loss = loss / accumulation_steps
+    )
+    full_batch = jax.tree.map(jnp.negative, jax.grad(loss_fn)(params, X, Y))
+    chex.assert_trees_all_close(mean_way, full_batch, rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(torch_way, full_batch, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("factory", [mpjax.grad_scaler, mpjax.noop_scaler])
+def test_accumulation_without_its_semantics_is_an_error(factory):
+    with pytest.raises(ValueError, match=r"accumulation='mean'.*accumulation='sum'"):
+        factory(optax.sgd(1.0), accumulation_steps=4)
+    with pytest.raises(ValueError, match="accumulation='mean'"):
+        mpjax.static_scaler(optax.sgd(1.0), 8.0, accumulation_steps=2, accumulation="avg")
+
+
+def test_float16_parameters_are_refused_at_init():
+    params = {"dense": {"kernel": jnp.ones((4, 4), jnp.float16), "bias": jnp.zeros(4)}}
+    with pytest.raises(ValueError, match=r"\['dense'\]\['kernel'\] are float16.*float32"):
+        mpjax.grad_scaler(optax.adam(1e-3)).init(params)
+    # bfloat16 parameters are accepted: adam's constants are representable there.
+    mpjax.grad_scaler(optax.adam(1e-3)).init(jax.tree.map(lambda p: p.astype(jnp.bfloat16), params))
+
+
+def test_inner_non_finite_updates_neither_grow_nor_back_off_the_scale():
+    # adam with eps=0 on zero gradients: 0/0 updates from finite gradients.
+    tx = mpjax.grad_scaler(optax.adam(1e-3, eps=0.0), init_scale=4.0, growth_interval=2)
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    for _ in range(4):
+        _, state = jax.jit(tx.update)({"w": jnp.zeros(3)}, state, params)
+        assert bool(state.last_step_skipped)
+    assert float(state.scale) == 4.0 and int(state.growth_tracker) == 0
+    assert int(state.skipped_steps) == 4
+
+
+@pytest.mark.parametrize(
+    "fun, kwargs, match",
+    [
+        (jax.grad(loss_fn), {}, r"looks like a gradient function \(jax.grad\(f\)\)"),
+        (lambda p, x, y: (loss_fn(p, x, y), {"n": 1}), {}, r"pass has_aux=True"),
+        (loss_fn, {"has_aux": True}, r"must return a \(loss, aux\) pair"),
+        (lambda p, x, y: jnp.tanh(x @ p["w1"]), {}, r"shape \(64, 32\).*mean\(\)"),
+        (lambda p, x, y: jnp.sum(y), {}, r"floating-point loss"),
+    ],
+    ids=["gradient function", "forgotten has_aux", "has_aux without aux", "non-scalar", "int"],
+)
+def test_scaled_value_and_grad_names_the_fix(fun, kwargs, match):
+    state = mpjax.grad_scaler(optax.sgd(0.1)).init(_params())
+    with pytest.raises(ValueError, match=match):
+        mpjax.scaled_value_and_grad(fun, state, **kwargs)(_params(), X, Y)
+
+
+def test_scaled_value_and_grad_refuses_a_non_callable():
+    state = mpjax.grad_scaler(optax.sgd(0.1)).init(_params())
+    with pytest.raises(TypeError, match="fun must be the loss function"):
+        mpjax.scaled_value_and_grad(_params(), state)
+
+
+# --------------------------------------------------------------------------
+# Linen: a TrainState whose step does not advance on skipped steps.
+
+
+class ScaledTrainState(train_state.TrainState):
+    """``TrainState`` whose ``step`` counts applied steps only.
+
+    ``step`` drives learning-rate schedules written around the state (and
+    checkpoint names); a skipped step must not advance it, as torch warns when
+    ``lr_scheduler.step()`` runs after a skipped ``optimizer.step()``.
+    """
+
+    def apply_gradients(self, *, grads, **kwargs):
+        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+        applied = ~mpjax.scaler_stats(opt_state)["last_step_skipped"]
+        return self.replace(
+            step=self.step + applied.astype(self.step.dtype),
+            params=optax.apply_updates(self.params, updates),
+            opt_state=opt_state,
+            **kwargs,
+        )
+
+
+class _MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(jnp.tanh(nn.Dense(32)(x)))
+
+
+def test_linen_train_state_step_counts_applied_steps_only():
+    model = _MLP()
+    params = model.init(jax.random.key(0), X)["params"]
+    state = ScaledTrainState.create(
+        apply_fn=model.apply, params=params, tx=mpjax.grad_scaler(optax.adam(1e-3))
+    )
+    apply = mpjax.autocast(model.apply)
+
+    def linen_loss(params, x, y):
+        logits = apply({"params": params}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    @jax.jit
+    def train_step(state, x, y):
+        _, grads = mpjax.scaled_value_and_grad(linen_loss, state.opt_state)(state.params, x, y)
+        return state.apply_gradients(grads=grads)
+
+    state = train_step(state, X, Y)
+    assert int(state.step) == 1
+    bad_x = X.at[0, 0].set(jnp.inf)  # a non-finite batch: the step is skipped
+    skipped = train_step(state, bad_x, Y)
+    assert bool(mpjax.scaler_stats(skipped.opt_state)["last_step_skipped"])
+    assert int(skipped.step) == 1
+    chex.assert_trees_all_equal(skipped.params, state.params)
+    assert int(train_step(skipped, X, Y).step) == 2
+
+
+# --------------------------------------------------------------------------
+# torch's custom_fwd / custom_bwd: a custom_vjp function whose inside runs under
+# autocast.
+
+
+def test_custom_vjp_inside_autocast():
+    def f(x, w):
+        return jnp.tanh(x @ w)
+
+    def fwd(x, w):
+        y = jnp.tanh(x @ w)
+        return y, (x, w, y)
+
+    def bwd(res, g):
+        x, w, y = res
+        gz = g * (1 - y * y)
+        return gz @ w.T, x.T @ gz
+
+    as_written = jax.custom_vjp(f)
+    as_written.defvjp(fwd, bwd)
+    # torch's @custom_fwd / @custom_bwd: primal, forward and backward under autocast.
+    in_16_bits = jax.custom_vjp(mpjax.autocast(f))
+    in_16_bits.defvjp(mpjax.autocast(fwd), mpjax.autocast(bwd))
+
+    w = jax.random.normal(jax.random.key(2), (16, 8)) * 0.25
+
+    def loss_of(g):
+        return mpjax.autocast(lambda w, x: jnp.sum(g(x, w) ** 2))
+
+    report = mpjax.audit(jax.grad(loss_of(in_16_bits)), w, X)
+    assert report.low_precision_fraction == 1.0
+    assert mpjax.audit(jax.grad(loss_of(as_written)), w, X).low_precision_fraction == 0.0
+    reference = jax.grad(lambda w: jnp.sum(f(X, w) ** 2))(w)
+    grads = jax.grad(loss_of(in_16_bits))(w, X)
+    assert grads.dtype == jnp.float32
+    np.testing.assert_allclose(
+        grads, reference, rtol=2e-2, atol=2e-2 * float(jnp.abs(reference).max())
+    )
