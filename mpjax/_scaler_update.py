@@ -83,7 +83,7 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra):
     if not config.enabled:
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
         return updates, state._replace(inner_state=inner_state)
-    finite = _all_finite_everywhere(config, grads)
+    finite, nonfinite_subtrees = _finite_flags(config, grads, state.nonfinite_subtrees)
     # inner runs on zeros when skipping: its result is discarded anyway, and
     # this way no inf or NaN is computed inside it (jax_debug_nans stays quiet).
     grads = _zeros_unless(finite, grads)
@@ -120,6 +120,7 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra):
         skipped_steps=state.skipped_steps + skipped.astype(jnp.int32),
         last_step_skipped=skipped,
         inner_state=inner_state,
+        nonfinite_subtrees=nonfinite_subtrees,
     )
 
 
@@ -129,11 +130,53 @@ def _like(total, grads):
 
 
 def _all_finite_everywhere(config: ScalerConfig, tree):
-    finite = _all_finite(tree)
+    return _finite_flags(config, tree, {})[0]
+
+
+def _finite_flags(config: ScalerConfig, tree, subtrees: dict):
+    """Whether all of `tree` is finite, and for each of `subtrees` whether it is not.
+
+    One reduction per leaf; the per-subtree flags are a few scalar ops on those.
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    flags = [(path, jnp.all(jnp.isfinite(x))) for path, x in flat if _is_inexact(x)]
+    finite = _combine([f for _, f in flags])
+    by_name: dict = {}
+    if subtrees:
+        depth = _depth(tree)
+        for path, f in flags:
+            by_name.setdefault(_subtree_name(path, depth), []).append(f)
+    nonfinite = {name: jnp.logical_not(_combine(by_name.get(name, []))) for name in dict(subtrees)}
     if config.axis_name is not None:
         # Every device must take the same branch, or replicas drift apart.
-        finite = lax.psum(jnp.logical_not(finite).astype(jnp.int32), config.axis_name) == 0
-    return finite
+        total = lax.psum(
+            [jnp.logical_not(finite).astype(jnp.int32)]
+            + [v.astype(jnp.int32) for v in nonfinite.values()],
+            config.axis_name,
+        )
+        finite = total[0] == 0
+        nonfinite = {name: t > 0 for name, t in zip(nonfinite, total[1:])}
+    return finite, nonfinite
+
+
+def subtree_names(params) -> list[str]:
+    """The paths of the parameter subtrees `GradScalerState.nonfinite_subtrees` keys."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    depth = _depth(params)
+    return sorted({_subtree_name(path, depth) for path, x in flat if _is_inexact(x)})
+
+
+def _depth(tree) -> int:
+    """1, or 2 when the top has a single entry (Linen's ``{"params": ...}``)."""
+    top = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)[0]
+    if len(top) != 1 or not top[0][0]:
+        return 1
+    below = jax.tree_util.tree_flatten_with_path(top[0][1])[0]
+    return 2 if below and all(path for path, _ in below) else 1
+
+
+def _subtree_name(path, depth: int) -> str:
+    return jax.tree_util.keystr(tuple(path[:depth])) or "<root>"
 
 
 # --------------------------------------------------------------------------
@@ -178,16 +221,14 @@ def accumulator_dtype(p):
     return jnp.promote_types(jnp.result_type(p), jnp.float32)
 
 
-def _all_finite(tree) -> jax.Array:
-    """Whether every inexact leaf of `tree` is finite, as a bool scalar.
+def _combine(flags) -> jax.Array:
+    """Whether all of `flags` (bool scalars, one per leaf) are true.
 
-    One reduction per leaf, combined by one more reduction (a float32 min of
-    their stack). Combined with ``&`` instead, the flag is a chain of cheap
-    scalar ops that XLA copies into every fusion reading it (every select of
-    the step), so compile time grew with the square of the number of leaves;
-    a reduction is never copied.
+    Combined by one reduction (a float32 min of their stack). Combined with
+    ``&`` instead, the flag is a chain of cheap scalar ops that XLA copies into
+    every fusion reading it (every select of the step), so compile time grew with
+    the square of the number of leaves; a reduction is never copied.
     """
-    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree) if _is_inexact(x)]
     if len(flags) <= 1:
         return flags[0] if flags else jnp.array(True)
     return jnp.min(jnp.stack(flags).astype(jnp.float32)) > 0
@@ -201,14 +242,13 @@ def _select(pred: jax.Array, on_true, on_false):
     """
 
     def one(t, f):
-        t, f = jnp.asarray(t), jnp.asarray(f)
-        if t.dtype != f.dtype or t.shape != f.shape:  # rare: an inner that retypes its state
-            return jnp.where(pred, t, f)
-        return lax.select_n(lax.broadcast(pred, t.shape), f, t)
+        if jnp.result_type(t) != jnp.result_type(f) or jnp.shape(t) != jnp.shape(f):
+            return jnp.where(pred, t, f)  # rare: an inner that retypes its state
+        return lax.select_n(pred, f, t)  # a scalar predicate needs no broadcast
 
     return jax.tree.map(one, on_true, on_false)
 
 
 def _zeros_unless(pred: jax.Array, tree):
     """`tree` where `pred`, zeros of the same shapes and dtypes elsewhere."""
-    return _select(pred, tree, jax.tree.map(jnp.zeros_like, tree))
+    return _select(pred, tree, jax.tree.map(lambda t: lax.full_like(t, 0), tree))

@@ -276,6 +276,9 @@ def _loss_scaler(inner, config: ScalerConfig) -> optax.GradientTransformationExt
             micro_step=jnp.zeros([], jnp.int32),
             grad_accumulator=accumulator,
             inner_state=inner.init(params),
+            nonfinite_subtrees={
+                name: jnp.zeros([], jnp.bool_) for name in _scaler_update.subtree_names(params)
+            },
         )
 
     def update_fn(updates, state, params=None, **extra):

@@ -553,3 +553,26 @@ def test_static_scaler_bad_scale(scale):
 def test_noop_scaler_bad_accumulation_steps():
     with pytest.raises(ValueError, match="accumulation_steps"):
         noop_scaler(optax.sgd(0.1), accumulation_steps=0)
+
+
+def test_scaler_stats_say_which_subtrees_were_not_finite():
+    params = {
+        "params": {
+            "Embed_0": {"embedding": jnp.ones((4, 2))},
+            "Block_0": {"Dense_0": {"kernel": jnp.ones((2, 2)), "bias": jnp.zeros(2)}},
+            "Block_1": {"Dense_0": {"kernel": jnp.ones((2, 2)), "bias": jnp.zeros(2)}},
+        }
+    }
+    tx = grad_scaler(optax.adam(1e-3))
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    names = ["['params']['Block_0']", "['params']['Block_1']", "['params']['Embed_0']"]
+    assert sorted(scaler_stats(state)["nonfinite_subtrees"]) == names
+    grads = jax.tree.map(jnp.ones_like, params)
+    grads["params"]["Block_1"]["Dense_0"]["bias"] = jnp.array([1.0, jnp.nan])
+    _, state = update(grads, state, params)
+    flags = {k: bool(v) for k, v in scaler_stats(state)["nonfinite_subtrees"].items()}
+    assert bool(state.last_step_skipped)
+    assert flags == {names[0]: False, names[1]: True, names[2]: False}
+    _, state = update(jax.tree.map(jnp.ones_like, params), state, params)
+    assert not any(bool(v) for v in scaler_stats(state)["nonfinite_subtrees"].values())
