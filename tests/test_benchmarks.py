@@ -126,3 +126,13 @@ def test_stablehlo_parser_counts_float32_values_as_float32():
 """
     cov = stablehlo.coverage(text)
     assert cov.matmul_flops == 2 * 2 * 4 * 3 and cov.low_precision_flops == 0
+
+
+def test_scaler_benchmark_runs_and_reports_ratios(capsys):
+    from benchmarks import scaler
+
+    scaler.main(["--leaves", "3", "--params", "3000"])
+    out = capsys.readouterr().out
+    assert "| 3 |" in out and "| 3e+03 |" in out
+    ratios = [float(line.rsplit("|", 2)[-2]) for line in out.splitlines() if line.startswith("| 3")]
+    assert len(ratios) == 2 and all(r > 0 for r in ratios)
