@@ -99,34 +99,22 @@ def _scale(run, layers) -> list[str]:
         f"the largest 16-bit gradient value, {g:.3g} at scale 1, times {_pow2(rec)} "
         f"stays {HEADROOM:g} times below 65504"
     )
-    under = [leaf for leaf in run.leaves if leaf.underflow > UNDERFLOW_SHARE]
-    lost = (
-        f"{len(under)} parameter(s) lose more than {UNDERFLOW_SHARE:.0%} of their gradient "
-        f"elements to zero ({_worst(under)})"
-        if under
-        else ""
-    )
-    if rec > s and under:
-        out = [f"Raise init_scale to {_pow2(rec)}: at scale {s:g}, {lost}; {fits}."]
-        still = [leaf for leaf in run.leaves_at_recommended if leaf.underflow > UNDERFLOW_SHARE]
-        if still:
-            out.append(
-                f"{len(still)} parameter(s) underflow even at {_pow2(rec)}, the largest safe "
-                f"scale ({_worst(still)}): use bfloat16, or keep {_users(still, layers)} in "
-                "float32 with a nested `mpjax.autocast(fn, enabled=False)`."
-            )
-        elif run.leaves_at_recommended:
-            out.append(
-                f"At {_pow2(rec)} no parameter loses more than {UNDERFLOW_SHARE:.0%} of its "
-                "gradient to zero."
-            )
-        return out
-    if rec < s and run.backward is not None:
-        out = [
-            f"Start from init_scale={_pow2(rec)} (grad_scaler backs off on its own, "
-            f"skipping a step each time): {fits}."
+    if run.backward is not None:
+        if rec < s:
+            return [
+                f"Start from init_scale={_pow2(rec)} (grad_scaler backs off on its own, "
+                f"skipping a step each time): {fits}."
+            ]
+        where = f"`{run.backward.module}`" if run.backward.module else run.backward.source
+        return [
+            f"A lower scale does not help: {fits}, so the inf comes from the operation "
+            f"itself, or the step overflows at scale 1 too. Keep {where} in float32 with "
+            "a nested `mpjax.autocast(fn, enabled=False)`, or use bfloat16."
         ]
-    elif rec < s:
+    under = [leaf for leaf in run.leaves if leaf.underflow > UNDERFLOW_SHARE]
+    if rec > s and under:
+        return _raise_scale(run, layers, under, fits)
+    if rec < s:
         out = [
             f"At scale {s:g} the largest 16-bit gradient value reaches {g * s:.3g}, less "
             f"than {HEADROOM:g} times below 65504: init_scale={_pow2(rec)} leaves room as "
@@ -142,9 +130,33 @@ def _scale(run, layers) -> list[str]:
         ]
     if under:
         out.append(
-            f"At scale {s:g}, at or above the largest safe scale, {lost}: use bfloat16, or "
-            f"keep {_users(under, layers)} in float32 with a nested "
+            f"At scale {s:g}, at or above the largest safe scale, {_lost(under)}: use "
+            f"bfloat16, or keep {_users(under, layers)} in float32 with a nested "
             "`mpjax.autocast(fn, enabled=False)`."
+        )
+    return out
+
+
+def _lost(under) -> str:
+    return (
+        f"{len(under)} parameter(s) lose more than {UNDERFLOW_SHARE:.0%} of their gradient "
+        f"elements to zero ({_worst(under)})"
+    )
+
+
+def _raise_scale(run, layers, under, fits) -> list[str]:
+    rec = _pow2(run.recommended_scale)
+    out = [f"Raise init_scale to {rec}: at scale {run.scale:g}, {_lost(under)}; {fits}."]
+    still = [leaf for leaf in run.leaves_at_recommended if leaf.underflow > UNDERFLOW_SHARE]
+    if still:
+        out.append(
+            f"{len(still)} parameter(s) underflow even at {rec}, the largest safe scale "
+            f"({_worst(still)}): use bfloat16, or keep {_users(still, layers)} in float32 "
+            "with a nested `mpjax.autocast(fn, enabled=False)`."
+        )
+    elif run.leaves_at_recommended:
+        out.append(
+            f"At {rec} no parameter loses more than {UNDERFLOW_SHARE:.0%} of its gradient to zero."
         )
     return out
 

@@ -23,7 +23,7 @@ def draw(report, path, ranges):
             "`examples` extra of mpjax). The figures are in str(report) and report.as_dict()."
         ) from e
     layers = list(report.layers)
-    height = 1.2 + 0.28 * max(len(layers), 1)
+    height = 2.0 + 0.28 * max(len(layers), 1)
     fig = Figure(figsize=(12, height), layout="constrained")
     left, right = fig.subplots(1, 2, sharey=True)
     ys = list(range(len(layers)))[::-1]
@@ -66,8 +66,9 @@ def _forward(ax, layers, ys, dtypes, ranges):
                 label=f"inf/NaN in the {dtype} run",
             )
     ax.set_xscale("log")
-    ax.set_xlabel("|x|, forward pass")
-    ax.legend(fontsize=7, loc="lower left")
+    ax.set_title("|x|, forward pass", fontsize=9)
+    # Below the tick labels, a fixed distance whatever the figure's height.
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, 0), borderaxespad=3, ncol=2)
 
 
 def _backward(ax, layers, ys, run, ranges):
@@ -95,5 +96,6 @@ def _backward(ax, layers, ys, run, ranges):
             min([tiniest, *shown_values]) / 10, max([largest, *shown_values]) * 10
         )  # the format's whole range: what flushes to 0 and what overflows
     ax.set_xscale("log")
-    ax.set_xlabel("|gradient| x loss scale, backward pass")
-    ax.legend(fontsize=7, loc="lower left")
+    ax.set_title("|gradient| x loss scale, backward pass", fontsize=9)
+    # Below the tick labels, a fixed distance whatever the figure's height.
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, 0), borderaxespad=3, ncol=2)

@@ -48,11 +48,20 @@ class Origin:
             return self.library_source or "unknown"
         return f"{short_path(self.file)}:{self.line} ({self.function})"
 
+    @property
+    def what(self) -> str:
+        """What the primitive is, where its name alone would puzzle: autocast's casts."""
+        if self.primitive == "convert_element_type" and set(self.out_dtypes) & set(RANGES):
+            return f"a rounding to {self.out_dtypes[0]}: a matrix product's input or result"
+        return ""
+
     def describe(self) -> str:
+        """One line: primitive, module, source, and where inside a loop."""
+        what = f" ({self.what})" if self.what else ""
         where = f" in {self.module}" if self.module else ""
-        inside = f", {self.inside}" if self.inside else ""
         via = f" via {self.library_source}" if self.library_source else ""
-        return f"`{self.primitive}`{where} at {self.source}{via}{inside}"
+        inside = f", {self.inside}" if self.inside else ""
+        return f"`{self.primitive}`{what}{where} at {self.source}{via}{inside}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,10 +93,11 @@ class LayerRange:
     grad_max_abs: float
     """Largest magnitude of its backward values, in the float32 run (scale 1)."""
     low_max_abs: dict[str, float]
-    """By 16-bit dtype: largest forward magnitude in that run (inf if any is not finite)."""
-    float16_flush: float
-    """Share of its non-zero forward values (float32 run) that float16 rounds to 0
-    (magnitude at most 2**-25)."""
+    """By 16-bit dtype: the largest of its forward values held in that dtype in that
+    run; inf if any of its forward values (in any dtype) was inf or NaN there."""
+    flushed: dict[str, float]
+    """By 16-bit dtype: of the non-zero values its forward pass rounds to that dtype
+    (autocast's casts), the share that became 0."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,13 +145,19 @@ class DiagnoseReport:
     Examples:
       >>> import jax.numpy as jnp, mpjax
       >>> def loss_fn(w, x):
-      ...     return jnp.mean((x @ w) ** 2)
-      >>> report = mpjax.diagnose(loss_fn, jnp.full((4, 2), 300.0), jnp.ones((3, 4)))
+      ...     return 100.0 * jnp.sum(x @ w)  # float16 gradient values of 300
+      >>> report = mpjax.diagnose(loss_fn, jnp.ones((4, 2)), jnp.ones((3, 4)))
       >>> run = report.runs[0]
-      >>> run.forward.primitive, run.forward.produced
-      ('integer_pow', 'inf')
-      >>> report.as_dict()["runs"][0]["forward"]["primitive"]
-      'integer_pow'
+      >>> run.forward is None, run.backward.phase  # fine forward, inf backward at 2**16
+      (True, 'backward')
+      >>> run.max_gradient, run.recommended_scale  # 2**4 * 300 * 8 <= 65504
+      (300.0, 16.0)
+      >>> report.as_dict()["runs"][0]["recommended_scale"]
+      16.0
+      >>> print(report.recommendations[-1])
+      Start from init_scale=2**4 (grad_scaler backs off on its own, skipping a step
+      each time): the largest 16-bit gradient value, 300 at scale 1, times 2**4 stays 8
+      times below 65504.
     """
 
     runs: tuple[Run, ...]
@@ -225,12 +241,17 @@ def _origin_text(origin: Origin | None, dtype: str) -> str:
         return "none (no inf or NaN produced from finite inputs)"
     limit = RANGES.get(dtype, (None,))[0]
     hold = f"; {dtype} holds up to {limit:g}" if limit and origin.produced != "nan" else ""
-    return (
-        f"{origin.describe()}\n"
-        f"      {origin.produced} from finite inputs "
-        f"({', '.join(origin.in_dtypes) or '-'} -> {', '.join(origin.out_dtypes)}, "
-        f"largest |input| {_g(origin.in_max_abs)}){hold}"
-    )
+    lines = [
+        f"`{origin.primitive}`" + (f" in {origin.module}" if origin.module else ""),
+        f"at {origin.source}" + (f", {origin.inside}" if origin.inside else ""),
+        f"{origin.produced} from finite inputs ({', '.join(origin.in_dtypes) or '-'} -> "
+        f"{', '.join(origin.out_dtypes)}, largest |input| {_g(origin.in_max_abs)}){hold}",
+    ]
+    if origin.library_source:
+        lines.insert(2, f"via {origin.library_source}")
+    if origin.what:
+        lines.append(origin.what)
+    return "\n            ".join(lines)
 
 
 def _origins(run: Run) -> str:
@@ -262,10 +283,10 @@ def _gradients(run: Run) -> str:
         ]
         for leaf in leaves
     ]
-    title = (
-        f"Gradients ({run.dtype} at scale {run.scale:g}, divided by the scale; "
-        f"largest 16-bit backward value {_g(run.max_gradient)})"
-    )
+    title = f"Gradients ({run.dtype} at scale {run.scale:g}, divided by the scale"
+    if run.forward is None:  # else the backward pass is inf/NaN from the start
+        title += f"; largest 16-bit backward value {_g(run.max_gradient)} at scale 1"
+    title += ")"
     text = title + ("\n" + _table(header, rows) if rows else "")
     if hidden:
         bad = sum(1 for leaf in run.leaves if leaf.overflow or leaf.underflow) - len(rows)
@@ -277,18 +298,16 @@ def _gradients(run: Run) -> str:
 def _notes(layer: LayerRange, dtypes) -> str:
     notes = []
     for dtype in dtypes:
-        if layer.max_abs > RANGES[dtype][0]:
-            notes.append(f"above {dtype} max")
-        elif math.isinf(layer.low_max_abs.get(dtype, 0.0)):
+        if math.isinf(layer.low_max_abs.get(dtype, 0.0)):
             notes.append(f"inf/NaN in {dtype}")
-    if "float16" in dtypes and layer.float16_flush >= 0.001:
-        notes.append(f"{layer.float16_flush:.1%} round to 0 in float16")
+        if layer.flushed.get(dtype, 0.0) >= 0.001:
+            notes.append(f"{layer.flushed[dtype]:.1%} rounded to 0 in {dtype}")
     return ", ".join(notes)
 
 
 def _layers(report: DiagnoseReport) -> str:
     dtypes = [r.dtype for r in report.runs]
-    header = ["module", "max |x|", "min |x|>0", *(f"{d} max |x|" for d in dtypes)]
+    header = ["module", "max |x|", "min |x|>0", *(f"max |x| in {d}" for d in dtypes)]
     header += ["max |grad|", "note"]
     rows = [
         [
@@ -304,7 +323,10 @@ def _layers(report: DiagnoseReport) -> str:
     limits = "; ".join(
         f"{d}: max {RANGES[d][0]:.4g}, smallest normal {RANGES[d][1]:.2g}" for d in dtypes
     )
-    title = f"Values by module (float32 run, forward; max |grad|: backward, scale 1)\n  {limits}"
+    title = (
+        "Values by module (max |x|, min |x|>0: forward pass in float32; max |x| in 16 bits:\n"
+        "the values each run holds in 16 bits; max |grad|: backward pass in float32)\n  " + limits
+    )
     return title + "\n" + _table(header, rows, left=(0, len(header) - 1))
 
 

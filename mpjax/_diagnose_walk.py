@@ -58,8 +58,6 @@ class Stats(NamedTuple):
     max_abs: float  # of its finite elements; 0.0 if none
     min_abs: float  # smallest non-zero finite magnitude; inf if none
     low: bool  # float16 or bfloat16
-    nonzero: int  # finite non-zero elements
-    flushed: int  # of those, how many float16 rounds to 0 (|x| <= 2**-25)
 
 
 def stats(x) -> Stats | None:
@@ -81,8 +79,6 @@ def stats(x) -> Stats | None:
         float(vals.max()) if vals.size else 0.0,
         float(nonzero.min()) if nonzero.size else math.inf,
         np.dtype(dtype).itemsize == 2,
-        int(nonzero.size),
-        int(np.count_nonzero(nonzero <= 2.0**-25)),
     )
 
 
@@ -112,8 +108,10 @@ def is_backward(stack: str) -> bool:
 
 
 def _is_library(name: str) -> bool:
-    if name.startswith("<") or "site-packages" in name or "dist-packages" in name:
+    if name.startswith("<frozen") or "site-packages" in name or "dist-packages" in name:
         return True
+    if name.startswith("<"):  # <stdin>, <doctest ...>: the user's
+        return False
     return os.path.abspath(name).startswith((_MPJAX_DIR, _JAX_DIR, *_LIBRARY_DIRS))
 
 
@@ -162,6 +160,7 @@ class Event(NamedTuple):
     inputs_finite: bool
     in_stats: tuple
     out_stats: tuple
+    ins: list
     outs: list
     inside: str  # "" or where in an opaque unit it was found ("scan step 3")
 
@@ -202,7 +201,9 @@ class Walk:
                 inputs_finite = all(s.finite for s in in_stats)
                 if inputs_finite and not all(s.finite for s in floats):
                     self._zoom(eqn, vals, stack, back)  # first, so the inner equation is seen first
-                self.observe(Event(eqn, stack, back, inputs_finite, in_stats, floats, outs, inside))
+                self.observe(
+                    Event(eqn, stack, back, inputs_finite, in_stats, floats, vals, outs, inside)
+                )
             else:
                 out_stats = tuple(stats(o) for o in outs)
             for v, o, s in zip(eqn.outvars, outs, out_stats, strict=True):

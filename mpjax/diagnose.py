@@ -15,7 +15,7 @@ from mpjax import _diagnose_advice as advice
 from mpjax import _diagnose_args as da
 from mpjax import _diagnose_walk as dw
 from mpjax._autocast import autocast, trace_arrays
-from mpjax._diagnose_report import DiagnoseReport, LayerRange, LeafGradient, Origin, Run
+from mpjax._diagnose_report import RANGES, DiagnoseReport, LayerRange, LeafGradient, Origin, Run
 
 _OWN_SCOPE = "mpjax_diagnose_scale"
 
@@ -153,38 +153,64 @@ class _Program:
         return collector
 
 
+@dataclasses.dataclass
+class _Row:
+    """What one module computes in one run."""
+
+    max_abs: float = 0.0  # forward
+    min_abs: float = math.inf  # forward, non-zero
+    grad_max_abs: float = 0.0  # backward, divided by the scale
+    low_max_abs: float | None = None  # forward 16-bit values; inf once anything is not finite
+    cast_nonzero: int = 0  # forward casts to 16 bits: their non-zero inputs ...
+    cast_flushed: int = 0  # ... that came out 0
+
+
 class _Collector:
     """Observes a walk: the first origin per phase, ranges per module."""
 
     def __init__(self, scale: float, calls: frozenset, collect: bool):
         self.scale, self.calls, self.collect = scale, calls, collect
         self.origins: dict[str, Origin] = {}
-        # module -> [forward max, forward min non-zero, forward finite, backward max,
-        #            forward non-zero count, of those flushed to 0 by float16]
-        self.modules: dict[str, list] = {}
-        self.backward_low_max = 0.0
+        self.modules: dict[str, _Row] = {}
+        self.backward_max = 0.0  # of all backward values, divided by the scale
+        self.backward_low_max = 0.0  # of the 16-bit ones
         self.loss, self.grads = math.nan, []
 
     def __call__(self, event: dw.Event) -> None:
         phase = "backward" if event.backward else "forward"
-        if not all(s.finite for s in event.out_stats):
-            if event.inputs_finite and phase not in self.origins:
-                self.origins[phase] = _origin(event, phase, self.calls)
-        if not self.collect or not event.out_stats or _OWN_SCOPE in event.stack:
+        finite = all(s.finite for s in event.out_stats)
+        if not finite and event.inputs_finite and phase not in self.origins:
+            self.origins[phase] = _origin(event, phase, self.calls)
+        if not event.out_stats or _OWN_SCOPE in event.stack:
             return
         key = dw.module_path(event.stack, self.calls) or _line_key(event.eqn)
-        if key is None:
+        if key is None:  # the gradient's seed, outside the loss
             return
-        row = self.modules.setdefault(key, [0.0, math.inf, True, 0.0, 0, 0])
-        for s in event.out_stats:
-            if event.backward:
-                row[3] = max(row[3], s.max_abs / self.scale)
+        if event.backward:
+            for s in event.out_stats:
+                self.backward_max = max(self.backward_max, s.max_abs / self.scale)
                 if s.low:
                     self.backward_low_max = max(self.backward_low_max, s.max_abs / self.scale)
-            else:
-                row[0], row[1] = max(row[0], s.max_abs), min(row[1], s.min_abs)
-                row[2] = row[2] and s.finite
-                row[4], row[5] = row[4] + s.nonzero, row[5] + s.flushed
+        if self.collect:
+            _add(self.modules.setdefault(key, _Row()), event, self.scale)
+
+
+def _add(row: _Row, event: dw.Event, scale: float) -> None:
+    if event.backward:
+        row.grad_max_abs = max([row.grad_max_abs, *(s.max_abs / scale for s in event.out_stats)])
+        return
+    for s in event.out_stats:
+        row.max_abs, row.min_abs = max(row.max_abs, s.max_abs), min(row.min_abs, s.min_abs)
+        if not s.finite:
+            row.low_max_abs = math.inf
+        elif s.low:
+            row.low_max_abs = max(row.low_max_abs or 0.0, s.max_abs)
+    if event.eqn.primitive.name == "convert_element_type" and event.out_stats[0].low:
+        before = np.asarray(event.ins[0]).astype(np.float64)
+        after = np.asarray(event.outs[0]).astype(np.float64)
+        nonzero = (before != 0) & np.isfinite(before)
+        row.cast_nonzero += int(np.count_nonzero(nonzero))
+        row.cast_flushed += int(np.count_nonzero(nonzero & (after == 0)))
 
 
 def _line_key(eqn) -> str | None:
@@ -245,31 +271,47 @@ def _diagnose_dtype(problem, dtype, scale, policy, reference, calls):
     low = program.evaluate(scale, calls)
     forward, backward = low.origins.get("forward"), low.origins.get("backward")
     leaves = _leaf_gradients(problem, low, reference, scale)
-    largest = low.backward_low_max
-    if backward is not None and forward is None:
-        largest = program.evaluate(1.0, calls).backward_low_max  # unknown where it overflowed
-    recommended = advice.recommended_scale(largest) if dtype == "float16" else None
-    again = ()
-    if (
-        recommended is not None
-        and forward is None
-        and recommended > scale
-        and any(leaf.underflow > advice.UNDERFLOW_SHARE for leaf in leaves)
-    ):
-        at = program.evaluate(recommended, calls, collect=False)
-        again = _leaf_gradients(problem, at, reference, recommended)
+    largest, recommended, again = low.backward_low_max, None, ()
+    if dtype == "float16" and forward is None:
+        largest, recommended, again = _scale_figures(program, low, problem, reference, calls)
     run = Run(dtype, scale, low.loss, forward, backward, leaves, largest, recommended, again)
     return run, low
 
 
+def _scale_figures(program, low, problem, reference, calls):
+    """(largest 16-bit gradient value, recommended scale, gradients measured there).
+
+    The largest value is read from the run at the user's scale unless it overflowed
+    there, or its largest value is subnormal (flushed, so imprecise): then from a
+    run at the scale the float32 backward pass's largest value allows, which keeps
+    every 16-bit value (a rounding of a float32 one) in range.
+    """
+    runs = {low.scale: low}
+    largest = low.backward_low_max
+    if "backward" in low.origins or largest * low.scale < RANGES["float16"][1]:
+        probe = advice.recommended_scale(reference.backward_max)
+        runs[probe] = program.evaluate(probe, calls, collect=False)
+        largest = runs[probe].backward_low_max
+    recommended = advice.recommended_scale(largest)
+    leaves = _leaf_gradients(problem, low, reference, low.scale)
+    if recommended <= low.scale or not any(
+        leaf.underflow > advice.UNDERFLOW_SHARE for leaf in leaves
+    ):
+        return largest, recommended, ()
+    if recommended not in runs:
+        runs[recommended] = program.evaluate(recommended, calls, collect=False)
+    return largest, recommended, _leaf_gradients(problem, runs[recommended], reference, recommended)
+
+
 def _layers(reference: _Collector, lows: dict[str, _Collector]) -> tuple[LayerRange, ...]:
     out = []
-    for module, (fmax, fmin, _, bmax, nonzero, flushed) in reference.modules.items():
-        low_max = {}
+    for module, row in reference.modules.items():
+        low_max, flushed = {}, {}
         for dtype, low in lows.items():
-            row = low.modules.get(module)
-            if row is not None:
-                low_max[dtype] = row[0] if row[2] else math.inf
-        flush = flushed / nonzero if nonzero else 0.0
-        out.append(LayerRange(module, fmax, fmin, bmax, low_max, flush))
+            low_row = low.modules.get(module)
+            if low_row is not None and low_row.low_max_abs is not None:
+                low_max[dtype] = low_row.low_max_abs
+            if low_row is not None and low_row.cast_nonzero:
+                flushed[dtype] = low_row.cast_flushed / low_row.cast_nonzero
+        out.append(LayerRange(module, row.max_abs, row.min_abs, row.grad_max_abs, low_max, flushed))
     return tuple(out)
