@@ -41,6 +41,7 @@ _CALLS = frozenset(
     }
 )
 _MPJAX_SCOPE = re.compile(r"^mpjax_\w*$")  # autocast's regions, diagnose's own scope
+_JAX_SCOPES = frozenset({"rematted_computation"})  # jax.checkpoint's recomputation
 _TRANSFORM = re.compile(r"[A-Za-z_]\w*\(")
 _MPJAX_DIR = os.path.dirname(os.path.abspath(__file__))
 # Where `mpjax.diagnose` calls the loss: frames beyond are the caller's, not the loss's.
@@ -88,7 +89,9 @@ def module_path(stack: str, calls=frozenset()) -> str:
     ``transpose(jvp(mpjax_autocast_float16))/Net/block_1/_where`` -> ``Net/block_1``."""
     plain = _TRANSFORM.sub("", stack).replace(")", "")
     return "/".join(
-        p for p in plain.split("/") if p and p not in calls and not _MPJAX_SCOPE.match(p)
+        p
+        for p in plain.split("/")
+        if p and p not in calls and p not in _JAX_SCOPES and not _MPJAX_SCOPE.match(p)
     )
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import linen as nn
+from jax import lax
 from flax import nnx
 
 import mpjax
@@ -191,6 +192,19 @@ def test_recommended_scale_follows_the_formula():
     run = mpjax.diagnose(loss_fn, w, x, scale=opt_state).runs[0]
     assert run.scale == 2.0**k and run.backward is None
     assert run.leaves[0].max_abs == largest and run.leaves[0].overflow == 0.0
+
+
+def test_a_scan_is_searched_step_by_step():
+    def loss_fn(w, c0):
+        c, _ = lax.scan(lambda c, _: (c @ w, None), c0, None, length=6)  # SCAN
+        return jnp.sum(c) * 1e-6
+
+    # 10**(step + 1): step 4's 100000 is beyond float16, in float32 all is finite.
+    report = mpjax.diagnose(loss_fn, 10 * jnp.eye(4), jnp.ones((2, 4)))
+    origin = report.runs[0].forward
+    assert (origin.primitive, origin.inside) == ("convert_element_type", "scan step 4")
+    assert (origin.file, origin.line) == (__file__, _line("SCAN"))
+    assert origin.in_max_abs == 1e5 and report.reference_forward is None
 
 
 def test_text_plot_and_dict(forward_report, tmp_path):
