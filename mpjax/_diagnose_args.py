@@ -47,6 +47,8 @@ def check_options(loss_fn, dtype, has_aux, policy) -> list[str]:
 def check_scale(scale, dtype: str) -> float:
     if scale is None:
         return _DEFAULT_SCALE[dtype]
+    if isinstance(scale, (bool, np.bool_)):
+        raise TypeError(f"diagnose(scale={scale!r}): scale must be a number, not a bool.")
     if isinstance(scale, (numbers.Real, np.ndarray, jax.Array)) and np.ndim(scale) == 0:
         value = float(scale)
     else:
