@@ -168,6 +168,21 @@ class Event(NamedTuple):
     inside: str  # "" or where in an opaque unit it was found ("scan step 3")
 
 
+def _last_uses(jaxpr) -> dict[int, set]:
+    """Equation index -> the variables it reads for the last time (not outputs)."""
+    last = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, _compat.Literal):
+                last[v] = i
+    for v in jaxpr.outvars:
+        last.pop(v, None)
+    out: dict[int, set] = {}
+    for v, i in last.items():
+        out.setdefault(i, set()).add(v)
+    return out
+
+
 class Walk:
     """Evaluates a jaxpr and reports every first-order equation to `observe`."""
 
@@ -188,8 +203,11 @@ class Walk:
             env[v] = (c, stats(c))
         for v, a in zip(jaxpr.invars, args, strict=True):
             env[v] = (a, stats(a))
-        for eqn in jaxpr.eqns:
+        dead_after = _last_uses(jaxpr)  # values are let go once read for the last time
+        for i, eqn in enumerate(jaxpr.eqns):
             ins = [read(v) for v in eqn.invars]
+            for v in dead_after.get(i, ()):
+                del env[v]
             own = _compat.name_stack(eqn)
             stack = f"{prefix}/{own}" if prefix and own else prefix or own
             back = backward or is_backward(own)

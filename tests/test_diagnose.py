@@ -14,13 +14,11 @@ import numpy as np
 import optax
 import pytest
 from flax import linen as nn
-from jax import lax
 from flax import nnx
+from jax import lax
 
 import mpjax
 from mpjax._diagnose_advice import HEADROOM
-
-LINES = {}  # name -> line of this file, read from the source below
 
 
 def _line(marker: str) -> int:
