@@ -4,10 +4,12 @@
   bfloat16 and numerically fragile operations in float32.
 * `grad_scaler`: dynamic loss scaling as an optax transform.
 * `audit`: what ran in which precision.
+* `diagnose`: where a 16-bit training step overflows or underflows.
 """
 
 from mpjax._autocast import autocast
 from mpjax.audit import AuditReport, Equation, audit
+from mpjax.diagnose import DiagnoseReport, diagnose
 from mpjax.policy import Rule, rule_for
 from mpjax.scaler import (
     GradScalerState,
@@ -28,6 +30,8 @@ __all__ = [
     "audit",
     "AuditReport",
     "Equation",
+    "diagnose",
+    "DiagnoseReport",
     "Rule",
     "rule_for",
     # loss scaling

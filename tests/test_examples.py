@@ -134,3 +134,22 @@ def test_data_parallel(capsys):
     # than the distance the parameters travelled.
     assert result["relative_param_diff"] < 0.1
     assert "8 devices, data parallel" in capsys.readouterr().out
+
+
+def test_diagnose(tmp_path, capsys):
+    diagnose = load("diagnose")
+    result = diagnose.main(["--plot-dir", str(tmp_path)])
+    # Pressures in pascals: the first layer's input cast overflows in the forward pass.
+    forward = result["overflow"].runs[0].forward
+    assert (forward.primitive, forward.module) == ("convert_element_type", "Regressor/embed")
+    assert forward.file.endswith("diagnose.py") and forward.function == "Regressor.__call__"
+    # A loss weighted by 2**-20 at scale 1: float16 flushes gradients, bfloat16 does not.
+    f16, bf16 = result["underflow"].runs
+    assert max(leaf.underflow for leaf in f16.leaves) > 0.5
+    assert max(leaf.underflow for leaf in bf16.leaves) < 0.01
+    assert f16.recommended_scale > 2.0**20 and f16.leaves_at_recommended
+    assert max(leaf.underflow for leaf in f16.leaves_at_recommended) < 0.01
+    for path in result["plots"].values():
+        assert pathlib.Path(path).stat().st_size > 10_000
+    out = capsys.readouterr().out
+    assert "Recommendations" in out and "Raise init_scale to 2**" in out

@@ -1,0 +1,147 @@
+"""`mpjax.diagnose`'s arguments: their checks, and the loss as a function of the
+floating leaves of the parameters (a Flax NNX module's ``nnx.Param`` state)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpjax import _nnx
+from mpjax._autocast import POLICIES
+from mpjax.scaler_state import get_scale
+
+DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16}
+_DEFAULT_SCALE = {"float16": 2.0**16, "bfloat16": 1.0}
+
+
+def check_options(loss_fn, dtype, has_aux, policy) -> list[str]:
+    if not callable(loss_fn):
+        raise TypeError(
+            f"diagnose(loss_fn, params, *batch): loss_fn must be callable, got "
+            f"{type(loss_fn).__name__}. Pass the loss function first: "
+            "diagnose(loss_fn, params, x, y)."
+        )
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"diagnose(has_aux={has_aux!r}): has_aux must be a Python bool.")
+    if policy not in POLICIES:
+        raise ValueError(f"diagnose(policy={policy!r}): policy must be one of {POLICIES}.")
+    if isinstance(dtype, str) and dtype == "both":
+        return ["float16", "bfloat16"]
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in DTYPES:
+        raise ValueError(
+            f"diagnose(dtype={dtype!r}): dtype must be jnp.float16, jnp.bfloat16 or "
+            '"both", the precision autocast runs matrix products in.'
+        )
+    return [name]
+
+
+def check_scale(scale, dtype: str) -> float:
+    if scale is None:
+        return _DEFAULT_SCALE[dtype]
+    if isinstance(scale, (bool, np.bool_)):
+        raise TypeError(f"diagnose(scale={scale!r}): scale must be a number, not a bool.")
+    if isinstance(scale, (numbers.Real, np.ndarray, jax.Array)) and np.ndim(scale) == 0:
+        value = float(scale)
+    else:
+        try:
+            value = float(get_scale(scale))
+        except ValueError as e:
+            raise ValueError(
+                f"diagnose(scale=...): scale must be a number or an optimizer state holding "
+                f"mpjax.grad_scaler's state; got a {type(scale).__name__} without one. "
+                f"({e})"
+            ) from None
+    if not (math.isfinite(value) and value >= 2.0**-126):
+        raise ValueError(
+            f"diagnose(scale={value!r}): the loss scale must be a finite number >= 2**-126."
+        )
+    return value
+
+
+def unwrap(fun):
+    wrapper, original = getattr(fun, "__mpjax_autocast__", (None, None))
+    return original if wrapper is fun else fun
+
+
+def is_float(x) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+class Problem(NamedTuple):
+    pure: Callable  # (float leaves, *batch) -> scalar loss
+    leaves: list
+    paths: list[str]
+    batch: tuple
+
+
+def problem(loss_fn, params, batch, has_aux) -> Problem:
+    """`loss_fn` as a function of the floating leaves of `params` (an NNX module's
+    ``nnx.Param`` state)."""
+    rebuild = None
+    if _nnx.has_nnx_objects(params) and not isinstance(params, (dict, list, tuple)):
+        from flax import nnx  # imported already: params holds NNX objects
+
+        graphdef, state, rest = nnx.split(params, nnx.Param, ...)
+        rest_leaves, rest_def = jax.tree.flatten(rest)
+
+        def rebuild(tree):  # fresh Variables, created inside the trace that uses them
+            return nnx.merge(graphdef, tree, jax.tree.unflatten(rest_def, rest_leaves))
+
+        params = state
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    if any(
+        isinstance(x, jax.core.Tracer) for x in [*(x for _, x in flat), *jax.tree.leaves(batch)]
+    ):
+        raise TypeError(
+            "diagnose runs one step eagerly, on concrete values: call it outside jax.jit, "
+            "grad or vmap, on the arrays you would pass to your training step."
+        )
+    where = [i for i, (_, x) in enumerate(flat) if is_float(x)]
+    if not where:
+        raise ValueError(
+            f"diagnose(loss_fn, params, ...): params (a {type(params).__name__}) holds no "
+            "floating-point arrays to differentiate. Pass the parameters (a pytree, Linen "
+            "variables or an NNX module) second: diagnose(loss_fn, params, *batch)."
+        )
+
+    def pure(float_leaves, *batch):
+        full = [x for _, x in flat]
+        for i, x in zip(where, float_leaves):
+            full[i] = x
+        tree = jax.tree_util.tree_unflatten(treedef, full)
+        out = loss_fn(rebuild(tree) if rebuild else tree, *batch)
+        return _loss_of(out, has_aux)
+
+    paths = [jax.tree_util.keystr(flat[i][0]).removesuffix(".value") for i in where]
+    return Problem(pure, [flat[i][1] for i in where], paths, tuple(batch))
+
+
+def _loss_of(out, has_aux):
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                "diagnose(has_aux=True): loss_fn must return a pair (loss, aux), got "
+                f"{type(out).__name__}."
+            )
+        out = out[0]
+    elif isinstance(out, tuple):
+        raise TypeError(
+            f"diagnose: loss_fn returned a tuple of {len(out)}; if it returns (loss, aux), "
+            "pass has_aux=True."
+        )
+    loss = jnp.asarray(out)
+    if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise TypeError(
+            f"diagnose: loss_fn must return a floating-point scalar loss, got "
+            f"{loss.dtype}{list(loss.shape)}. Reduce it (e.g. .mean()) inside loss_fn."
+        )
+    return loss

@@ -1,0 +1,284 @@
+"""The evaluator behind `mpjax.diagnose`: a training step's jaxpr run equation by
+equation on concrete values, with every floating output checked.
+
+`jax.make_jaxpr` of ``value_and_grad`` gives one jaxpr holding the forward and the
+backward pass. An equation belongs to the backward pass when its name stack, or
+that of an equation enclosing it, carries JAX's ``transpose(...)`` transform
+(``transpose(jvp(mpjax_autocast_float16))/Net/block_1``); forward equations carry
+``jvp(...)`` only. Calls (`jit`, custom derivatives, `checkpoint`) and the taken
+branch of a `cond` are evaluated equation by equation; `scan` and `while` run as
+one unit, and a `scan` whose outputs are the first non-finite values is run again
+one iteration at a time to find the equation inside.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sysconfig
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpjax import _compat
+
+# Primitives whose single sub-jaxpr computes the outputs from the same inputs.
+_CALLS = frozenset(
+    {
+        "jit",
+        "pjit",
+        "closed_call",
+        "core_call",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+        "checkpoint",
+        "remat",
+        "remat2",
+    }
+)
+_MPJAX_SCOPE = re.compile(r"^mpjax_\w*$")  # autocast's regions, diagnose's own scope
+_JAX_SCOPES = frozenset({"rematted_computation"})  # jax.checkpoint's recomputation
+_TRANSFORM = re.compile(r"[A-Za-z_]\w*\(")
+_MPJAX_DIR = os.path.dirname(os.path.abspath(__file__))
+# Where `mpjax.diagnose` calls the loss: frames beyond are the caller's, not the loss's.
+_DIAGNOSE_FILES = tuple(os.path.join(_MPJAX_DIR, f) for f in ("diagnose.py", "_diagnose_args.py"))
+_JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__))
+_LIBRARY_DIRS = tuple(
+    {os.path.abspath(p) for k, p in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib")}
+)
+
+
+class Stats(NamedTuple):
+    """Finiteness and range of one floating value."""
+
+    finite: bool
+    max_abs: float  # of its finite elements; 0.0 if none
+    min_abs: float  # smallest non-zero finite magnitude; inf if none
+    low: bool  # float16 or bfloat16
+
+
+def stats(x) -> Stats | None:
+    """The `Stats` of a floating array (copied to the host); None otherwise."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        x = np.asarray(x)
+        dtype = x.dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return None
+    wide = np.float64 if np.dtype(dtype).itemsize > 4 else np.float32
+    a = np.abs(np.asarray(x).astype(wide))
+    finite = np.isfinite(a)
+    all_finite = bool(finite.all())
+    vals = a if all_finite else a[finite]
+    nonzero = vals[vals > 0]
+    return Stats(
+        all_finite,
+        float(vals.max()) if vals.size else 0.0,
+        float(nonzero.min()) if nonzero.size else math.inf,
+        np.dtype(dtype).itemsize == 2,
+    )
+
+
+def module_path(stack: str, calls=frozenset()) -> str:
+    """A name stack without JAX's transforms, mpjax's own scopes and the names of
+    the `calls` (jitted functions, which autocast inlines under their name):
+    ``transpose(jvp(mpjax_autocast_float16))/Net/block_1/_where`` -> ``Net/block_1``."""
+    plain = _TRANSFORM.sub("", stack).replace(")", "")
+    return "/".join(
+        p
+        for p in plain.split("/")
+        if p and p not in calls and p not in _JAX_SCOPES and not _MPJAX_SCOPE.match(p)
+    )
+
+
+def call_names(jaxpr) -> frozenset:
+    """The names of the jitted functions called anywhere in `jaxpr`."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("jit", "pjit") and "name" in eqn.params:
+            names.add(eqn.params["name"])
+        for sub in _compat.sub_jaxprs(eqn.params):
+            names |= call_names(_compat.jaxpr_and_consts(sub)[0])
+    return frozenset(names)
+
+
+def is_backward(stack: str) -> bool:
+    return "transpose(" in stack
+
+
+def _is_library(name: str) -> bool:
+    if name.startswith("<frozen") or "site-packages" in name or "dist-packages" in name:
+        return True
+    if name.startswith("<"):  # <stdin>, <doctest ...>: the user's
+        return False
+    return os.path.abspath(name).startswith((_MPJAX_DIR, _JAX_DIR, *_LIBRARY_DIRS))
+
+
+class Where(NamedTuple):
+    """The user's line an equation came from, and the library line inside it."""
+
+    file: str
+    line: int
+    function: str
+    library: str  # ``file:line (function)`` of the innermost frame, if in a library
+
+
+def _library_path(path: str) -> str:
+    for marker in ("site-packages", "dist-packages"):
+        if marker in path:
+            return path.split(marker, 1)[1].lstrip("/\\")
+    return short_path(path)
+
+
+def where(eqn) -> Where:
+    """Frames innermost first: the first outside JAX and mpjax is the library line
+    (if in an installed package), the first outside any package the user's line.
+    Frames beyond `mpjax.diagnose`'s own call of the loss are the caller's: not
+    the loss's lines."""
+    frames = getattr(eqn.source_info.traceback, "frames", None) or ()
+    library = ""
+    for frame in frames:
+        path = os.path.abspath(frame.file_name)
+        if path in _DIAGNOSE_FILES:
+            break
+        if path.startswith((_MPJAX_DIR, _JAX_DIR)):
+            continue
+        if not _is_library(frame.file_name):
+            return Where(frame.file_name, frame.line_num, frame.function_name, library)
+        if not library:
+            library = f"{_library_path(path)}:{frame.line_num} ({frame.function_name})"
+    return Where("", 0, "", library)
+
+
+class Event(NamedTuple):
+    """One equation's outputs, as the walk reports them to its observer."""
+
+    eqn: object
+    stack: str
+    backward: bool
+    inputs_finite: bool
+    in_stats: tuple
+    out_stats: tuple
+    ins: list
+    outs: list
+    inside: str  # "" or where in an opaque unit it was found ("scan step 3")
+
+
+def _last_uses(jaxpr) -> dict[int, set]:
+    """Equation index -> the variables it reads for the last time (not outputs)."""
+    last = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, _compat.Literal):
+                last[v] = i
+    for v in jaxpr.outvars:
+        last.pop(v, None)
+    out: dict[int, set] = {}
+    for v, i in last.items():
+        out.setdefault(i, set()).add(v)
+    return out
+
+
+class Walk:
+    """Evaluates a jaxpr and reports every first-order equation to `observe`."""
+
+    def __init__(self, observe):
+        self.observe = observe
+        self.stop_zoom = False
+
+    def run(self, jaxpr, consts, args, prefix: str = "", backward: bool = False, inside=""):
+        env = {}
+
+        def read(v):
+            if isinstance(v, _compat.Literal):
+                val = np.asarray(v.val, dtype=v.aval.dtype)
+                return val, stats(val)
+            return env[v]
+
+        for v, c in zip(jaxpr.constvars, consts):
+            env[v] = (c, stats(c))
+        for v, a in zip(jaxpr.invars, args, strict=True):
+            env[v] = (a, stats(a))
+        dead_after = _last_uses(jaxpr)  # values are let go once read for the last time
+        for i, eqn in enumerate(jaxpr.eqns):
+            ins = [read(v) for v in eqn.invars]
+            for v in dead_after.get(i, ()):
+                del env[v]
+            own = _compat.name_stack(eqn)
+            stack = f"{prefix}/{own}" if prefix and own else prefix or own
+            back = backward or is_backward(own)
+            vals = [x for x, _ in ins]
+            in_stats = tuple(s for _, s in ins if s is not None)
+            outs = self._eval(eqn, vals, stack, back, inside)
+            if outs is None:  # not recursed into: a unit of its own
+                with _compat.equation_context(eqn):
+                    outs = _compat.bind(eqn, *vals)
+                out_stats = tuple(stats(o) for o in outs)
+                floats = tuple(s for s in out_stats if s is not None)
+                inputs_finite = all(s.finite for s in in_stats)
+                if inputs_finite and not all(s.finite for s in floats):
+                    self._zoom(eqn, vals, stack, back)  # first, so the inner equation is seen first
+                self.observe(
+                    Event(eqn, stack, back, inputs_finite, in_stats, floats, vals, outs, inside)
+                )
+            else:
+                out_stats = tuple(stats(o) for o in outs)
+            for v, o, s in zip(eqn.outvars, outs, out_stats, strict=True):
+                env[v] = (o, s)
+        return [read(v)[0] for v in jaxpr.outvars]
+
+    def _eval(self, eqn, vals, stack, back, inside):
+        """Outputs of a call or `cond` evaluated equation by equation, else None."""
+        name = eqn.primitive.name
+        if name == "cond":
+            branches = eqn.params["branches"]
+            index = int(np.clip(np.asarray(vals[0]), 0, len(branches) - 1))
+            jaxpr, consts = _compat.jaxpr_and_consts(branches[index])
+            return self.run(jaxpr, consts, vals[1:], stack, back, inside)
+        if name not in _CALLS:
+            return None
+        subs = _compat.sub_jaxprs(eqn.params)
+        if len(subs) != 1:
+            return None
+        jaxpr, consts = _compat.jaxpr_and_consts(subs[0])
+        if len(jaxpr.invars) != len(vals) or len(jaxpr.outvars) != len(eqn.outvars):
+            return None
+        return self.run(jaxpr, consts, vals, stack, back, inside)
+
+    def _zoom(self, eqn, vals, stack, back):
+        """A scan that made the first non-finite values: run again, one iteration
+        at a time, to report the equation inside."""
+        if eqn.primitive.name != "scan" or self.stop_zoom:
+            return
+        self.stop_zoom = True  # once: the first such scan is the one that matters
+        num_consts, num_carry = _compat.scan_counts(eqn.params)
+        jaxpr, consts = _compat.jaxpr_and_consts(eqn.params["jaxpr"])
+        length, reverse = eqn.params["length"], eqn.params["reverse"]
+        fixed = vals[:num_consts]
+        carry = vals[num_consts : num_consts + num_carry]
+        xs = vals[num_consts + num_carry :]
+        for i in range(length):
+            t = length - 1 - i if reverse else i
+            outs = self.run(
+                jaxpr, consts, [*fixed, *carry, *(x[t] for x in xs)], stack, back, f"scan step {t}"
+            )
+            carry = outs[:num_carry]
+            if not all(s is None or s.finite for s in map(stats, carry)):
+                return
+
+
+def short_path(path: str) -> str:
+    """A source file as a reader finds it: relative to the working directory if
+    inside it, else its last two components."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        rel = path
+    if not rel.startswith(".."):
+        return rel
+    parts = path.replace("\\", "/").split("/")
+    return "/".join(parts[-2:])

@@ -1,0 +1,268 @@
+"""mpjax.diagnose: where a 16-bit training step overflows or underflows.
+
+The transformer tests inject a fault at a known layer and check that the report
+names it: the primitive, the module path (Flax Linen's name stack) and the line of
+this file. One small model shape throughout, so that the operations compiled for
+one test are reused by the next.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+from jax import lax
+
+import mpjax
+from mpjax._diagnose_advice import HEADROOM
+
+
+def _line(marker: str) -> int:
+    with open(__file__) as f:
+        for n, text in enumerate(f, 1):
+            if f"# {marker}" in text and "_line(" not in text:
+                return n
+    raise AssertionError(marker)
+
+
+@jax.custom_jvp
+def amplify_gradient(x):
+    """The identity, whose gradient is 1000 times larger than it should be."""
+    return x
+
+
+@amplify_gradient.defjvp
+def _amplify_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return x, t * 1000.0
+
+
+class MLP(nn.Module):
+    boost: float = 1.0
+    amplify: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(2 * x.shape[-1], use_bias=False, name="up")(x)  # float16 out
+        h = h * self.boost  # BOOST
+        if self.amplify:
+            h = amplify_gradient(h)  # AMPLIFY
+        return nn.Dense(x.shape[-1], name="down")(nn.relu(h))
+
+
+class Block(nn.Module):
+    boost: float = 1.0
+    amplify: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        x = x + nn.MultiHeadDotProductAttention(2, name="attn")(nn.LayerNorm(name="ln1")(x))
+        return x + MLP(self.boost, self.amplify, name="mlp")(nn.LayerNorm(name="ln2")(x))
+
+
+class Transformer(nn.Module):
+    faulty: int = -1  # the block with the fault
+    boost: float = 1.0
+    amplify: bool = False
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(11, 8, name="embed")(tokens)
+        for i in range(3):
+            fault = i == self.faulty
+            x = Block(self.boost if fault else 1.0, fault and self.amplify, name=f"block_{i}")(x)
+        return nn.Dense(11, name="head")(x)
+
+
+def _transformer(**fault):
+    model = Transformer(**fault)
+    tokens = jax.random.randint(jax.random.key(1), (2, 6), 0, 11)
+    params = model.init(jax.random.key(0), tokens)
+
+    def loss_fn(params, tokens):
+        logits = model.apply(params, tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+
+    return loss_fn, params, tokens
+
+
+@pytest.fixture(scope="module")
+def forward_report():
+    # block_1's activations times 30000, in float16: beyond 65504 at |h| > 2.2.
+    return mpjax.diagnose(*_transformer(faulty=1, boost=3e4))
+
+
+def test_forward_overflow_names_the_primitive_module_and_line(forward_report):
+    run = forward_report.runs[0]
+    origin = run.forward
+    assert origin.phase == "forward" and origin.primitive == "mul"
+    assert origin.module == "Transformer/block_1/mlp"
+    assert (origin.file, origin.line) == (__file__, _line("BOOST"))
+    assert origin.function == "MLP.__call__" and origin.produced == "inf"
+    assert origin.in_dtypes == ("float16", "float16") and origin.in_max_abs < 65504
+    # float32 is finite: a precision problem, and the recommendation says where.
+    assert forward_report.reference_forward is None
+    assert math.isfinite(forward_report.reference_loss) and not math.isfinite(run.loss)
+    (text,) = forward_report.recommendations
+    assert "`Transformer/block_1/mlp`" in text and "test_diagnose.py" in text
+    assert "enabled=False" in text and "bfloat16" in text
+    # Only the layers from the fault on are inf in float16.
+    layers = {layer.module: layer for layer in forward_report.layers}
+    assert math.isinf(layers["Transformer/block_1/mlp"].low_max_abs["float16"])
+    assert math.isfinite(layers["Transformer/block_0/mlp"].low_max_abs["float16"])
+    assert layers["Transformer/block_1/mlp"].max_abs > 65504  # float32's value
+
+
+def test_backward_only_overflow_is_reported_apart():
+    # The forward pass is the identity; its gradient is 1000 times too large. JAX
+    # traces a custom_jvp rule apart: its equations point at the call.
+    report = mpjax.diagnose(*_transformer(faulty=2, amplify=True))
+    run = report.runs[0]
+    assert run.forward is None and math.isfinite(run.loss)
+    origin = run.backward
+    assert origin.phase == "backward" and origin.primitive == "mul"
+    assert origin.module == "Transformer/block_2/mlp"
+    assert (origin.file, origin.line) == (__file__, _line("AMPLIFY"))
+    assert any(leaf.overflow > 0 for leaf in run.leaves)
+    # The scale that would have fitted: computed from the step measured at scale 1.
+    assert run.recommended_scale < run.scale
+    assert any("backward pass at scale 65536" in r for r in report.recommendations)
+
+
+def _tiny_gradient_mlp():
+    """w2's gradient is spread over 1e-12 .. 1e-3: float16 flushes part of it."""
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = {"w1": jax.random.normal(k1, (8, 16)) / 3, "w2": jax.random.normal(k2, (16, 12)) / 4}
+    x = jax.random.normal(k3, (5, 8))
+    weights = jnp.logspace(-12, -3, 12)  # per output column
+
+    def loss_fn(params, x):
+        h = jnp.tanh(x @ params["w1"])
+        return jnp.sum(jnp.mean(h @ params["w2"], 0) * weights) + jnp.mean(h**2)
+
+    return loss_fn, params, x
+
+
+def test_underflow_share_matches_float32_directly():
+    loss_fn, params, x = _tiny_gradient_mlp()
+    report = mpjax.diagnose(loss_fn, params, x, scale=1.0)
+    # Independently: the float16 gradient at scale 1 against the float32 one.
+    g16 = jax.grad(mpjax.autocast(loss_fn))(params, x)
+    g32 = jax.grad(loss_fn)(params, x)
+    expected = {
+        f"['{k}']": float(np.mean((np.asarray(g16[k]) == 0) & (np.asarray(g32[k]) != 0)))
+        for k in params
+    }
+    leaves = {leaf.path: leaf for leaf in report.runs[0].leaves}
+    assert {p: leaf.underflow for p, leaf in leaves.items()} == expected
+    assert 0.2 < expected["['w2']"] < 0.9 and expected["['w1']"] == 0.0
+    assert leaves["['w2']"].overflow == 0.0
+    assert leaves["['w2']"].reference_max_abs == pytest.approx(float(jnp.abs(g32["w2"]).max()))
+    # It is underflow: the recommended scale is larger, and it is measured again there.
+    run = report.runs[0]
+    assert run.recommended_scale > 1.0 and run.leaves_at_recommended
+    again = {leaf.path: leaf.underflow for leaf in run.leaves_at_recommended}
+    assert again["['w2']"] < expected["['w2']"]
+    assert report.recommendations[0].startswith("Raise init_scale to 2**")
+
+
+def test_recommended_scale_follows_the_formula():
+    # loss = c * sum(x @ w): every float16 gradient value of w is c * batch.
+    c, batch = 3.0, 5
+    w, x = jnp.full((4, 2), 0.1), jnp.ones((batch, 4))
+
+    def loss_fn(w, x):
+        return c * jnp.sum(x @ w)
+
+    largest = float(jnp.abs(jax.grad(loss_fn)(w, x)).max())  # 15, in float32
+    k = math.floor(math.log2(65504 / (HEADROOM * largest)))
+    report = mpjax.diagnose(loss_fn, w, x)  # at 2**16: 15 * 65536 overflows float16
+    run = report.runs[0]
+    assert run.max_gradient == largest and run.recommended_scale == 2.0**k == 2.0**9
+    assert run.backward is not None and run.forward is None
+    assert any(f"init_scale=2**{k}" in r for r in report.recommendations)
+    # The scale read from an optimizer state: at 2**9 the step fits.
+    opt_state = mpjax.grad_scaler(optax.sgd(0.1), init_scale=2.0**k).init(w)
+    run = mpjax.diagnose(loss_fn, w, x, scale=opt_state).runs[0]
+    assert run.scale == 2.0**k and run.backward is None
+    assert run.leaves[0].max_abs == largest and run.leaves[0].overflow == 0.0
+
+
+def test_a_scan_is_searched_step_by_step():
+    def loss_fn(w, c0):
+        c, _ = lax.scan(lambda c, _: (c @ w, None), c0, None, length=6)  # SCAN
+        return jnp.sum(c) * 1e-6
+
+    # 10**(step + 1): step 4's 100000 is beyond float16, in float32 all is finite.
+    report = mpjax.diagnose(loss_fn, 10 * jnp.eye(4), jnp.ones((2, 4)))
+    origin = report.runs[0].forward
+    assert (origin.primitive, origin.inside) == ("convert_element_type", "scan step 4")
+    assert (origin.file, origin.line) == (__file__, _line("SCAN"))
+    assert origin.in_max_abs == 1e5 and report.reference_forward is None
+
+
+def test_text_plot_and_dict(forward_report, tmp_path):
+    text = str(forward_report)
+    for section in ["First inf/NaN", "Gradients", "Values by module", "Recommendations"]:
+        assert section in text
+    assert "Transformer/block_1/mlp" in text and "test_diagnose.py" in text
+    raw = forward_report.as_dict()
+    assert raw["runs"][0]["forward"]["primitive"] == "mul"
+    assert isinstance(raw["layers"][0]["max_abs"], float)
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "ranges.png"
+    forward_report.plot(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_nnx_module_both_dtypes_and_sharded_batch():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 3, rngs=rngs)
+            self.bn = nnx.BatchNorm(3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.bn(self.lin(x))
+
+    model = Net(nnx.Rngs(0))
+    before = jax.tree.map(np.asarray, nnx.state(model))
+    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = jax.device_put(jnp.arange(32.0).reshape(8, 4) / 32, jax.NamedSharding(mesh, jax.P("data")))
+    report = mpjax.diagnose(lambda m, x: jnp.mean(m(x) ** 2), model, x, dtype="both")
+    assert [r.dtype for r in report.runs] == ["float16", "bfloat16"]
+    assert [r.scale for r in report.runs] == [2.0**16, 1.0]
+    paths = {leaf.path for leaf in report.runs[0].leaves}
+    assert paths == {"['lin']['kernel']", "['lin']['bias']", "['bn']['scale']", "['bn']['bias']"}
+    assert all(r.forward is None and r.backward is None for r in report.runs)
+    # The model is left as it was: BatchNorm's statistics included.
+    after = jax.tree.map(np.asarray, nnx.state(model))
+    jax.tree.map(np.testing.assert_array_equal, before, after)
+
+
+def test_bad_input():
+    def loss_fn(w, x):
+        return jnp.sum(x @ w)
+
+    w, x = jnp.ones((4, 2)), jnp.ones((3, 4))
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        mpjax.diagnose(w, loss_fn, x)
+    with pytest.raises(ValueError, match="dtype must be"):
+        mpjax.diagnose(loss_fn, w, x, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="scale"):
+        mpjax.diagnose(loss_fn, w, x, scale=-1.0)
+    with pytest.raises(ValueError, match="grad_scaler"):
+        mpjax.diagnose(loss_fn, w, x, scale={"lr": 0.1})
+    with pytest.raises(ValueError, match="no floating-point arrays"):
+        mpjax.diagnose(loss_fn, {"n": jnp.arange(3)}, x)
+    with pytest.raises(TypeError, match="has_aux=True"):
+        mpjax.diagnose(lambda w, x: (loss_fn(w, x), 0.0), w, x)
+    with pytest.raises(TypeError, match="scalar loss"):
+        mpjax.diagnose(lambda w, x: x @ w, w, x)
+    with pytest.raises(TypeError, match="outside jax.jit"):
+        jax.jit(lambda w: mpjax.diagnose(loss_fn, w, x))(w)
+    with pytest.raises(ValueError, match="policy"):
+        mpjax.diagnose(loss_fn, w, x, policy="fast")
