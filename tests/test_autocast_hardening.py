@@ -62,3 +62,50 @@ def test_weak_constants_saturate_but_keep_inf_and_nan(low):
     saturated = float(jnp.asarray(max(-1e9, -float(jnp.finfo(low).max)), low))
     np.testing.assert_array_equal(out[:3], [saturated, -np.inf, np.inf])
     assert np.isnan(out[3])
+
+
+# --- an explicit preferred_element_type is kept ------------------------------------
+
+
+def _halves(*shapes):
+    keys = jax.random.split(jax.random.key(1), len(shapes))
+    return [jax.random.normal(k, s).astype(jnp.float16) for k, s in zip(keys, shapes)]
+
+
+def test_explicit_float32_accumulation_of_a_dot_is_kept():
+    a, b = _halves((64, 512), (512, 64))
+    ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+
+    def f(a, b):
+        return jax.lax.dot(a, b, preferred_element_type=jnp.float32)
+
+    for low in (jnp.float16, jnp.bfloat16):
+        out = jax.jit(mpjax.autocast(f, dtype=low))(a, b)
+        assert out.dtype == F32
+        if low == jnp.float16:  # float16 operands, float32 sums: as without autocast
+            np.testing.assert_allclose(out, f(a, b), rtol=1e-6, atol=1e-5)
+            assert np.max(np.abs(out - ref)) < 1e-4  # a float16 result is off by 3e-3
+    # jnp's own default (float32 x float32 -> float32) still multiplies in float16.
+    (dot,) = [
+        e
+        for e in jax.make_jaxpr(mpjax.autocast(lambda a, b: a @ b))(
+            a.astype(F32), b.astype(F32)
+        ).eqns
+        if e.primitive.name == "dot_general"
+    ]
+    assert dot.invars[0].aval.dtype == jnp.float16
+
+
+def test_explicit_float32_accumulation_of_a_conv_is_kept():
+    x, k = _halves((2, 16, 12, 12), (8, 16, 3, 3))
+    ref = jax.lax.conv(np.asarray(x, np.float32), np.asarray(k, np.float32), (1, 1), "SAME")
+
+    def f(x, k):
+        return jax.lax.conv_general_dilated(
+            x, k, (1, 1), "SAME", preferred_element_type=jnp.float32
+        )
+
+    out = jax.jit(mpjax.autocast(f))(x, k)
+    assert out.dtype == F32
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+
