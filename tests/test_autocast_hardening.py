@@ -109,3 +109,51 @@ def test_explicit_float32_accumulation_of_a_conv_is_kept():
     assert out.dtype == F32
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
 
+
+# --- Flax NNX's functional API: nnx.State arguments and outputs are pytrees --------
+
+
+def _nnx_split_loss():
+    nnx = pytest.importorskip("flax.nnx")
+    optax = pytest.importorskip("optax")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(8, 16, rngs=rngs)
+            self.bn = nnx.BatchNorm(16, rngs=rngs)
+            self.head = nnx.Linear(16, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(nnx.relu(self.bn(self.linear(x))))
+
+    graphdef, params, rest = nnx.split(Model(nnx.Rngs(0)), nnx.Param, ...)
+
+    def loss(params, rest, x, y):
+        model = nnx.merge(graphdef, params, rest, copy=True)
+        value = optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+        return value, nnx.state(model, nnx.BatchStat)
+
+    x = 2.0 * jax.random.normal(jax.random.key(1), (32, 8)) + 1.0
+    y = jax.random.randint(jax.random.key(2), (32,), 0, 3)
+    return nnx, loss, (params, rest, x, y)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_nnx_split_state_through_autocast(jit):
+    nnx, loss, args = _nnx_split_loss()
+    params, rest = args[:2]
+    step = jax.value_and_grad(mpjax.autocast(loss), has_aux=True)
+    step = jax.jit(step) if jit else step
+    (value, stats), grads = step(*args)
+    (ref_value, ref_stats), ref_grads = jax.value_and_grad(loss, has_aux=True)(*args)
+
+    assert isinstance(stats, nnx.State) and isinstance(grads, nnx.State)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-2)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        assert g.dtype == F32
+        np.testing.assert_allclose(g, r, rtol=2e-2, atol=2e-3)
+    old = jax.tree.leaves(nnx.filter_state(rest, nnx.BatchStat))
+    for s, r, o in zip(jax.tree.leaves(stats), jax.tree.leaves(ref_stats), old, strict=True):
+        assert s.dtype == F32
+        assert not np.allclose(s, o)  # the running statistics moved
+        np.testing.assert_allclose(s, r, rtol=1e-2, atol=1e-3)
