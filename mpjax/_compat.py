@@ -139,3 +139,18 @@ def is_default_precision(precision) -> bool:
     if isinstance(precision, tuple):
         return all(p in (None, jax.lax.Precision.DEFAULT) for p in precision)
     return precision == jax.lax.Precision.DEFAULT
+
+
+def is_tracer(x) -> bool:
+    """Whether `x` is a value of a trace in progress (jit, grad, vmap, ...)."""
+    return isinstance(x, jax.core.Tracer)
+
+
+def trace_context():
+    """The configuration that changes what tracing a function gives, as `jax.jit`
+    keys its cache on it (x64, default matmul precision, the axis environment)."""
+    try:
+        from jax._src import config
+    except ImportError:  # pragma: no cover - a JAX without it: the public x64 flag
+        return (jax.config.jax_enable_x64,)
+    return config.trace_context()

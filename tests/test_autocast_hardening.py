@@ -157,3 +157,70 @@ def test_nnx_split_state_through_autocast(jit):
         assert s.dtype == F32
         assert not np.allclose(s, o)  # the running statistics moved
         np.testing.assert_allclose(s, r, rtol=1e-2, atol=1e-3)
+
+
+# --- eager calls trace once per argument signature ---------------------------------
+
+
+def _counting(fn):
+    calls = []
+
+    def f(*args, **kwargs):
+        calls.append(1)  # a Python side effect: runs at trace time only
+        return fn(*args, **kwargs)
+
+    return f, calls
+
+
+def _mlp(x, w, scale=1.0):
+    return jnp.tanh(x @ w) * scale, jnp.sum(x @ w)
+
+
+def test_eager_calls_trace_once_per_signature():
+    f, calls = _counting(_mlp)
+    g = mpjax.autocast(f)
+    x, w = _xw()
+    outs = [g(x, w) for _ in range(5)]
+    assert len(calls) == 1
+    fresh = mpjax.autocast(_mlp)(x, w)  # a first call: traced, never cached
+    for out in outs:
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(fresh), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(a, b)
+    g(x[:2], w)  # a new shape
+    g(x.astype(jnp.bfloat16), w)  # a new dtype
+    g(x, w, scale=2.0)  # a new static value
+    g(x, w, scale=2)  # an int traces differently from a float
+    assert len(calls) == 5
+    g(x[:2], w), g(x, w, scale=2.0)
+    assert len(calls) == 5
+
+
+def test_eager_cache_is_bounded_and_skips_unhashable_statics():
+    f, calls = _counting(lambda x, opts: x * opts["k"])
+    g = mpjax.autocast(f)
+    g(jnp.ones(3), {"k": 2.0}), g(jnp.ones(3), {"k": 2.0})
+    assert len(calls) == 1
+    h, h_calls = _counting(lambda x, table: x * table[0])
+    k = mpjax.autocast(h)
+    unhashable = type("Table", (), {"__hash__": None, "__getitem__": lambda s, i: 2.0})()
+    k(jnp.ones(3), unhashable), k(jnp.ones(3), unhashable)
+    assert len(h_calls) == 2  # an unhashable static leaf: traced at every call
+    for n in range(10, 74):  # 64 new signatures: with shape 3, one more than it holds
+        g(jnp.ones(n), {"k": 2.0})
+    before = len(calls)
+    g(jnp.ones(3), {"k": 2.0})  # shape 3 was used longest ago: evicted
+    assert len(calls) == before + 1
+
+
+def test_eager_cache_never_keeps_values_of_an_outer_trace():
+    # Under jit, `fn` closes over a tracer; the next trace must not see the old one.
+    @jax.jit
+    def outer(y):
+        return mpjax.autocast(lambda x: x * y)(jnp.ones(3))
+
+    np.testing.assert_array_equal(outer(2.0), 2.0)
+    np.testing.assert_array_equal(outer(3.0), 3.0)
+    inner = mpjax.autocast(lambda x: x + 1.0)
+    np.testing.assert_array_equal(jax.jit(lambda y: inner(jnp.ones(3)) * y)(2.0), 4.0)
+    np.testing.assert_array_equal(inner(jnp.ones(3)), 2.0)
