@@ -48,7 +48,7 @@ class TraceCache:
             return None
         try:
             entry = self._entries.get(key)
-        except Exception:  # a static leaf whose == raises: trace again
+        except (TypeError, ValueError):  # a static leaf whose == raises: trace again
             return None
         if entry is not None:
             self._entries.move_to_end(key)
