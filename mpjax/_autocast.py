@@ -243,7 +243,7 @@ def trace_arrays(fun, args, kwargs, cache: _trace_cache.TraceCache | None = None
 def _autocast_call(fun, region: Region, args, kwargs, cache=None):
     closed, out_shape, dynamic_leaves = trace_arrays(fun, args, kwargs, cache)
     jaxpr, consts = _compat.jaxpr_and_consts(closed)
-    ctx = Context(region, Scope())
+    ctx = Context(region, Scope(), memo={})
     outs, _ = eval_jaxpr(ctx, jaxpr, consts, dynamic_leaves, [False] * len(dynamic_leaves))
     out_leaves, out_tree = jax.tree.flatten(out_shape)
     # jnp.asarray: an output that is a literal comes back a jax.Array, as from `fun`.

@@ -154,3 +154,11 @@ def trace_context():
     except ImportError:  # pragma: no cover - a JAX without it: the public x64 flag
         return (jax.config.jax_enable_x64,)
     return config.trace_context()
+
+
+def zeros(aval, dtype):
+    """Zeros of `aval`'s shape at `dtype`, varying over the same manual mesh axes
+    (inside `shard_map`), so that they combine with the values `aval` stood for."""
+    out = jax.numpy.zeros(aval.shape, dtype)
+    varying = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+    return jax.lax.pcast(out, tuple(varying), to="varying") if varying else out

@@ -101,7 +101,7 @@ def _cond(ctx: Context, eqn, vals, weak):
 
     def branch_fn(closed, out_dtypes=None):
         def fn(*args):
-            child = ctx.child()
+            child = ctx.child(probing=out_dtypes is None)
             outs, _ = eval_closed(child, closed, list(args), ops_weak)
             if out_dtypes is None:
                 return outs
@@ -109,8 +109,14 @@ def _cond(ctx: Context, eqn, vals, weak):
 
         return fn
 
-    per_branch = [jax.eval_shape(branch_fn(b), *ops) for b in branches]
-    out_dtypes = [_join([a.dtype for a in avals]) for avals in zip(*per_branch)]
+    def solve():
+        per_branch = [jax.eval_shape(branch_fn(b), *ops) for b in branches]
+        return [_join([a.dtype for a in avals]) for avals in zip(*per_branch)]
+
+    out_dtypes = ctx.solved(eqn, vals, weak, solve)
+    abstract = _abstract(ctx, eqn, out_dtypes)
+    if abstract is not None:
+        return abstract
     return list(lax.switch(index, [branch_fn(b, out_dtypes) for b in branches], *ops))
 
 
@@ -146,10 +152,22 @@ def _fix_carry(ctx: Context, init, init_weak, probe) -> tuple[list, Scope]:
     raise AssertionError("autocast: loop carry dtypes did not converge")  # unreachable
 
 
-def _hoist(ctx: Context, scope: Scope) -> None:
-    """Makes the casts a loop body asked of loop-invariant values, outside it."""
-    for value, dtype, weak in scope.requests:
-        ctx.scope.cast(value, dtype, weak)
+def _abstract(ctx: Context, eqn, dtypes) -> list | None:
+    """Inside a probe, the outputs of a solved loop or cond: zeros of the
+    equation's shapes at the solved dtypes. A probe reads only dtypes, so its
+    body need not be traced again. None outside probes (and for PRNG keys)."""
+    if not ctx.probing or any(jax.dtypes.issubdtype(d, jax.dtypes.extended) for d in dtypes):
+        return None
+    return [_compat.zeros(v.aval, d) for v, d in zip(eqn.outvars, dtypes, strict=True)]
+
+
+def _positions(scope: Scope, *groups) -> list[tuple[int, int, np.dtype, bool]]:
+    """The casts a probed loop body asked of loop-invariant values, as
+    ``(group, index, dtype, weak)``: the value is ``groups[group][index]``
+    (the loop's consts, or its xs slices). Positions, unlike the values, hold
+    for every trace of the loop."""
+    where = {id(v): (g, i) for g, vs in enumerate(groups) for i, v in reversed(list(enumerate(vs)))}
+    return [(*where[id(value)], dtype, weak) for value, dtype, weak in scope.requests]
 
 
 def _scan(ctx: Context, eqn, vals, weak):
@@ -180,34 +198,35 @@ def _scan(ctx: Context, eqn, vals, weak):
         return outs[:n_carry], outs[n_carry:]
 
     xs_avals = [jax.ShapeDtypeStruct(np.shape(x)[1:], dtype_of(x)) for x in xs]
-    slice_ids: dict[int, int] = {}
+    slices: list = []  # the xs slices of the last probe
+    ys_dtypes: list = []  # and its ys dtypes
 
     def probe(carry_dtypes):
-        child = ctx.child(invariant=consts)
+        child = ctx.child(invariant=consts, probing=True)
 
         def fn(carry, x_slices):
-            slice_ids.clear()
-            slice_ids.update({id(s): i for i, s in enumerate(x_slices)})
-            child.scope._invariant |= set(slice_ids)
-            return run_body(child, carry, x_slices)[0]
+            slices[:] = x_slices
+            child.scope._invariant |= {id(s) for s in x_slices}
+            return run_body(child, carry, x_slices)
 
         carry_avals = [jax.ShapeDtypeStruct(np.shape(c), d) for c, d in zip(init, carry_dtypes)]
-        out = jax.eval_shape(fn, carry_avals, xs_avals)
-        return [a.dtype for a in out], child.scope
+        carry_out, ys = jax.eval_shape(fn, carry_avals, xs_avals)
+        ys_dtypes[:] = [a.dtype for a in ys]
+        return [a.dtype for a in carry_out], child.scope
 
-    carry_dtypes, probe_scope = _fix_carry(ctx, init, init_weak, probe)
+    def solve():
+        carry_dtypes, scope = _fix_carry(ctx, init, init_weak, probe)
+        return carry_dtypes, _positions(scope, consts, slices), [*carry_dtypes, *ys_dtypes]
 
-    # Casts of whole xs are made once, outside the loop, and scanned over.
+    carry_dtypes, requests, out_dtypes = ctx.solved(eqn, vals, weak, solve)
+    # Casts of loop invariants are made once, outside the loop; those of whole xs
+    # are scanned over beside the originals.
     hoisted_xs = []
-    const_requests = []
-    for value, dtype, w in probe_scope.requests:
-        if id(value) in slice_ids:
-            i = slice_ids[id(value)]
+    for group, i, dtype, w in requests:
+        if group == 1:
             hoisted_xs.append((i, dtype, ctx.scope.cast(xs[i], dtype, w)))
         else:
-            const_requests.append((value, dtype, w))
-    probe_scope.requests = const_requests
-    _hoist(ctx, probe_scope)
+            ctx.scope.cast(consts[i], dtype, w)
 
     def body(carry, x_all):
         x_slices, extra = x_all[: len(xs)], x_all[len(xs) :]
@@ -218,6 +237,9 @@ def _scan(ctx: Context, eqn, vals, weak):
         return [child.scope.cast(c, d) for c, d in zip(new_carry, carry_dtypes)], ys
 
     init = [ctx.scope.cast(c, d, w) for c, d, w in zip(init, carry_dtypes, init_weak)]
+    abstract = _abstract(ctx, eqn, out_dtypes)
+    if abstract is not None:
+        return abstract
     carry, ys = lax.scan(
         body,
         init,
@@ -247,13 +269,18 @@ def _while(ctx: Context, eqn, vals, weak):
         return outs
 
     def probe(carry_dtypes):
-        child = ctx.child(invariant=body_consts)
+        child = ctx.child(invariant=body_consts, probing=True)
         carry_avals = [jax.ShapeDtypeStruct(np.shape(c), d) for c, d in zip(init, carry_dtypes)]
         out = jax.eval_shape(lambda c: run_body(child, c), carry_avals)
         return [a.dtype for a in out], child.scope
 
-    carry_dtypes, probe_scope = _fix_carry(ctx, init, init_weak, probe)
-    _hoist(ctx, probe_scope)
+    def solve():
+        carry_dtypes, scope = _fix_carry(ctx, init, init_weak, probe)
+        return carry_dtypes, _positions(scope, body_consts)
+
+    carry_dtypes, requests = ctx.solved(eqn, vals, weak, solve)
+    for _, i, dtype, w in requests:  # loop-invariant casts, made once outside the loop
+        ctx.scope.cast(body_consts[i], dtype, w)
 
     def cond_fn(carry):
         outs, _ = eval_closed(
@@ -269,6 +296,9 @@ def _while(ctx: Context, eqn, vals, weak):
         return [child.scope.cast(c, d) for c, d in zip(run_body(child, carry), carry_dtypes)]
 
     init = [ctx.scope.cast(c, d, w) for c, d, w in zip(init, carry_dtypes, init_weak)]
+    abstract = _abstract(ctx, eqn, carry_dtypes)
+    if abstract is not None:
+        return abstract
     return list(lax.while_loop(cond_fn, body_fn, init))
 
 

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import F32, rel_tol
 
 import mpjax
-from conftest import F32, rel_tol
 
 
 def _xw(seed=0):
@@ -141,7 +141,7 @@ def _nnx_split_loss():
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_nnx_split_state_through_autocast(jit):
     nnx, loss, args = _nnx_split_loss()
-    params, rest = args[:2]
+    rest = args[1]
     step = jax.value_and_grad(mpjax.autocast(loss), has_aux=True)
     step = jax.jit(step) if jit else step
     (value, stats), grads = step(*args)
@@ -224,3 +224,71 @@ def test_eager_cache_never_keeps_values_of_an_outer_trace():
     inner = mpjax.autocast(lambda x: x + 1.0)
     np.testing.assert_array_equal(jax.jit(lambda y: inner(jnp.ones(3)) * y)(2.0), 4.0)
     np.testing.assert_array_equal(inner(jnp.ones(3)), 2.0)
+
+
+# --- nested loops: trace time linear in the depth ----------------------------------
+
+
+def _nested(depth, kind):
+    def loop(c, d):
+        if d == 0:
+            return jnp.tanh(c)
+        if kind == "scan":
+            body = lambda c, x: (loop(c * x, d - 1), None)  # noqa: E731
+            return jax.lax.scan(body, c, jnp.ones((2, *c.shape)))[0]
+        if kind == "while":
+            return jax.lax.while_loop(lambda c: c.sum() < 0, lambda c: loop(c, d - 1), c)
+        return jax.lax.cond(c.sum() > 0, lambda c: loop(c, d - 1), lambda c: c, c)
+
+    return lambda c, w: loop(c @ w, depth).sum()
+
+
+@pytest.mark.parametrize("kind", ["scan", "while", "cond"])
+def test_nested_loop_bodies_are_evaluated_linearly_often(kind, monkeypatch):
+    # How often autocast evaluates the innermost body (its one `tanh`) when
+    # tracing 1 to 5 nested loops. Each loop probes its body for its dtypes,
+    # then traces it; done naively, an inner loop is probed and traced again in
+    # each evaluation of the outer body: 2**depth.
+    from mpjax import first_order
+
+    evaluations = []
+    rule = first_order.policy_rule
+
+    def counting(ctx, eqn, vals, weak):
+        evaluations.append(eqn.primitive.name == "tanh")
+        return rule(ctx, eqn, vals, weak)
+
+    monkeypatch.setattr(first_order, "policy_rule", counting)
+    counts = []
+    c, w = jnp.ones((4, 4)), jnp.ones((4, 4))
+    for depth in range(1, 6):
+        evaluations.clear()
+        jax.make_jaxpr(mpjax.autocast(_nested(depth, kind)))(c, w)
+        counts.append(sum(evaluations))
+    assert np.all(np.diff(counts, 2) == 0) and counts[-1] <= 2 * 5, counts  # not 2**depth
+    # The result is the same program, in float32 where it should be.
+    f = _nested(3, kind)
+    np.testing.assert_allclose(mpjax.autocast(f)(c, w), f(c, w), rtol=1e-2)
+
+
+def test_one_loop_called_with_two_literals_solves_each():
+    # A jitted helper's jaxpr is shared by its call sites; its loop's carry dtype
+    # depends on the literal it gets (1e-8 is not a float16 number: float32).
+    @jax.jit
+    def helper(c, eps):
+        return jax.lax.fori_loop(0, 3, lambda i, c: c * eps + c, c)
+
+    def f(x, w):
+        h = x @ w
+        return helper(h, 1e-8), helper(h, 0.5)
+
+    x, w = _xw()
+    (tiny, half), (tiny_ref, half_ref) = mpjax.autocast(f)(x, w), f(x, w)
+    np.testing.assert_allclose(tiny, tiny_ref, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(half, half_ref, rtol=2e-2, atol=2e-2)
+    carries = [
+        e.outvars[1].aval.dtype
+        for e in jax.make_jaxpr(mpjax.autocast(f))(x, w).eqns
+        if e.primitive.name in ("scan", "while")
+    ]
+    assert carries == [F32, jnp.float16]
