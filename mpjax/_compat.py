@@ -162,3 +162,13 @@ def zeros(aval, dtype):
     out = jax.numpy.zeros(aval.shape, dtype)
     varying = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
     return jax.lax.pcast(out, tuple(varying), to="varying") if varying else out
+
+
+def abstract(x, dtype, slice_leading: bool = False):
+    """The type of `x` (of one slice along its first axis) at `dtype`, with its
+    sharding and the manual mesh axes it varies over: what a loop body is probed
+    at. Inside `shard_map`, a bare shape and dtype would be a replicated value."""
+    aval = jax.typeof(x)
+    if slice_leading:
+        aval = jax.eval_shape(lambda v: jax.lax.index_in_dim(v, 0, keepdims=False), x)
+    return aval.update(dtype=dtype, weak_type=False)

@@ -197,7 +197,7 @@ def _scan(ctx: Context, eqn, vals, weak):
         )
         return outs[:n_carry], outs[n_carry:]
 
-    xs_avals = [jax.ShapeDtypeStruct(np.shape(x)[1:], dtype_of(x)) for x in xs]
+    xs_avals = [_compat.abstract(x, dtype_of(x), slice_leading=True) for x in xs]
     slices: list = []  # the xs slices of the last probe
     ys_dtypes: list = []  # and its ys dtypes
 
@@ -209,7 +209,7 @@ def _scan(ctx: Context, eqn, vals, weak):
             child.scope._invariant |= {id(s) for s in x_slices}
             return run_body(child, carry, x_slices)
 
-        carry_avals = [jax.ShapeDtypeStruct(np.shape(c), d) for c, d in zip(init, carry_dtypes)]
+        carry_avals = [_compat.abstract(c, d) for c, d in zip(init, carry_dtypes)]
         carry_out, ys = jax.eval_shape(fn, carry_avals, xs_avals)
         ys_dtypes[:] = [a.dtype for a in ys]
         return [a.dtype for a in carry_out], child.scope
@@ -270,7 +270,7 @@ def _while(ctx: Context, eqn, vals, weak):
 
     def probe(carry_dtypes):
         child = ctx.child(invariant=body_consts, probing=True)
-        carry_avals = [jax.ShapeDtypeStruct(np.shape(c), d) for c, d in zip(init, carry_dtypes)]
+        carry_avals = [_compat.abstract(c, d) for c, d in zip(init, carry_dtypes)]
         out = jax.eval_shape(lambda c: run_body(child, c), carry_avals)
         return [a.dtype for a in out], child.scope
 

@@ -292,3 +292,31 @@ def test_one_loop_called_with_two_literals_solves_each():
         if e.primitive.name in ("scan", "while")
     ]
     assert carries == [F32, jnp.float16]
+
+
+# --- loops inside shard_map: probes keep the varying manual axes -------------------
+
+
+def test_loops_inside_shard_map_mix_replicated_and_sharded_values():
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+
+    def local(w, x):  # w replicated, x sharded: the loops mix both
+        def step(c, _):
+            c = jax.lax.cond(c.sum() > 0, lambda c: jnp.tanh(c @ w), lambda c: c, c)
+            c = jax.lax.fori_loop(0, 2, lambda i, c: jnp.tanh(c @ w), c)
+            return c, c.sum()
+
+        c, ys = jax.lax.scan(step, x, None, length=3)
+        return jax.lax.psum(c.sum() + ys.sum(), "data")
+
+    def run(wrap):
+        specs = dict(mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+        return jax.jit(jax.shard_map(lambda w, x: wrap(local)(w, x), **specs))
+
+    w = 0.5 * jnp.eye(4) + 0.1
+    x = jax.random.normal(jax.random.key(0), (8, 4))
+    out = run(mpjax.autocast)(w, x)
+    assert out.dtype == F32
+    np.testing.assert_allclose(out, run(lambda f: f)(w, x), rtol=2e-2)
