@@ -172,3 +172,21 @@ def abstract(x, dtype, slice_leading: bool = False):
     if slice_leading:
         aval = jax.eval_shape(lambda v: jax.lax.index_in_dim(v, 0, keepdims=False), x)
     return aval.update(dtype=dtype, weak_type=False)
+
+
+def custom_vmap_parts(params):
+    """The function and the vmap rule of a `custom_vmap_call` equation.
+
+    Returns ``(call, rule)``: `call` is the closed jaxpr of the function over the
+    equation's flat inputs; ``rule(axis_size, in_batched, args)`` runs the user's
+    rule on flat inputs (batched ones with the batch axis first) and returns
+    ``(flat_outs, flat_out_batched)``, as JAX's own batching of the primitive does.
+    """
+    in_tree, rule = params["in_tree"], params["rule"]
+
+    def flat_rule(axis_size, in_batched, args):
+        batched = jax.tree.unflatten(in_tree, list(in_batched))
+        out, out_batched = rule(axis_size, list(batched), *jax.tree.unflatten(in_tree, list(args)))
+        return jax.tree.leaves(out), jax.tree.leaves(out_batched)
+
+    return params["call"], flat_rule

@@ -1,5 +1,5 @@
 """The rules of the higher-order primitives: nested jit, remat, shard_map,
-custom_jvp, cond, scan and while.
+custom_jvp, custom_vmap, cond, scan and while.
 
 Each rule rebuilds its primitive around bodies that the interpreter evaluates
 under the same policy (`mpjax.interpreter.eval_jaxpr`), so the casts inside a
@@ -90,6 +90,40 @@ def _custom_jvp(ctx: Context, eqn, vals, weak):
 
     rebuilt = jax.custom_jvp(primal)
     rebuilt.defjvp(lambda primals, tangents: jvp(list(primals), list(tangents)))
+    return list(rebuilt(*vals))
+
+
+def _custom_vmap(ctx: Context, eqn, vals, weak):
+    """Rebuilt as a new custom_vmap whose function and vmap rule are both autocast.
+
+    The rule is traced at the original dtypes (and the batched shapes) and
+    evaluated under the policy; its outputs are cast to the function's output
+    dtypes, as the primitive requires of its rule.
+    """
+    call, rule = _compat.custom_vmap_parts(eqn.params)
+
+    def primal(*args):
+        outs, _ = eval_closed(ctx.child(), call, list(args), weak)
+        return outs
+
+    def vmap_rule(axis_size, in_batched, *args):
+        unbatched = [_compat.abstract(a, dtype_of(a), b) for a, b in zip(args, in_batched)]
+        out_avals = jax.eval_shape(primal, *unbatched)
+        out_batched = []
+
+        def original_rule(*xs):
+            outs, batched = rule(axis_size, in_batched, xs)
+            out_batched[:] = batched
+            return outs
+
+        at_original_dtypes = [_compat.abstract(a, v.aval.dtype) for a, v in zip(args, eqn.invars)]
+        child = ctx.child()
+        closed = jax.make_jaxpr(original_rule)(*at_original_dtypes)
+        outs, _ = eval_closed(child, closed, list(args), weak)
+        return [child.scope.cast(o, a.dtype) for o, a in zip(outs, out_avals)], list(out_batched)
+
+    rebuilt = jax.custom_batching.custom_vmap(primal)
+    rebuilt.def_vmap(vmap_rule)
     return list(rebuilt(*vals))
 
 
@@ -313,6 +347,7 @@ HIGHER_ORDER["remat2"] = _remat
 HIGHER_ORDER["checkpoint"] = _remat
 HIGHER_ORDER["shard_map"] = _shard_map
 HIGHER_ORDER["custom_jvp_call"] = _custom_jvp
+HIGHER_ORDER["custom_vmap_call"] = _custom_vmap
 HIGHER_ORDER["cond"] = _cond
 HIGHER_ORDER["scan"] = _scan
 HIGHER_ORDER["while"] = _while

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import F32, rel_tol
+from conftest import F32, all_eqns, rel_tol
 
 import mpjax
 
@@ -320,3 +320,46 @@ def test_loops_inside_shard_map_mix_replicated_and_sharded_values():
     out = run(mpjax.autocast)(w, x)
     assert out.dtype == F32
     np.testing.assert_allclose(out, run(lambda f: f)(w, x), rtol=2e-2)
+
+
+# --- custom_vmap: function and rule both under the policy --------------------------
+
+
+def _dot_operand_dtypes(jaxpr):
+    return [
+        tuple(v.aval.dtype for v in e.invars)
+        for e in all_eqns(jaxpr)
+        if e.primitive.name == "dot_general"
+    ]
+
+
+def test_custom_vmap_function_and_rule_run_under_the_policy(low):
+    rule_calls = []
+
+    @jax.custom_batching.custom_vmap
+    def layer(x, w):
+        return jnp.tanh(x @ w)
+
+    @layer.def_vmap
+    def layer_rule(axis_size, in_batched, x, w):
+        rule_calls.append(in_batched)
+        return jnp.tanh(jnp.einsum("bij,jk->bik", x, w)), in_batched[0]
+
+    xs, w = jax.random.normal(jax.random.key(0), (4, 2, 8)), _xw()[1]
+    # Unbatched: the function's product runs in `low`.
+    assert _dot_operand_dtypes(jax.make_jaxpr(mpjax.autocast(layer, dtype=low))(xs[0], w)) == [
+        (low, low)
+    ]
+    # Batched: the user's rule runs, and its product runs in `low` too.
+    batched = jax.vmap(mpjax.autocast(layer, dtype=low), in_axes=(0, None))
+    assert _dot_operand_dtypes(jax.make_jaxpr(batched)(xs, w)) == [(low, low)]
+    assert rule_calls == [[True, False]]
+    out, ref = jax.jit(batched)(xs, w), jax.vmap(layer, in_axes=(0, None))(xs, w)
+    assert out.dtype == F32
+    np.testing.assert_allclose(out, ref, rtol=rel_tol(low), atol=rel_tol(low))
+    # Forward-mode derivatives go through the rebuilt function too.
+    tangent = jax.jvp(mpjax.autocast(layer, dtype=low), (xs[0], w), (xs[0], w))[1]
+    ref_tangent = jax.jvp(layer, (xs[0], w), (xs[0], w))[1]
+    assert tangent.dtype == F32
+    np.testing.assert_allclose(tangent, ref_tangent, rtol=rel_tol(low), atol=rel_tol(low))
+
