@@ -363,3 +363,21 @@ def test_custom_vmap_function_and_rule_run_under_the_policy(low):
     assert tangent.dtype == F32
     np.testing.assert_allclose(tangent, ref_tangent, rtol=rel_tol(low), atol=rel_tol(low))
 
+
+def test_stack_runs_in_the_widest_input(low):
+    # jnp.stack is the `stack` primitive on these JAX versions: a policy op like
+    # concatenate, so stacking two low-precision products stays low precision.
+    def f(x, w, b):
+        h = x @ w
+        return jnp.stack([h, 2 * h]), jnp.stack([h, b])
+
+    x, w = _xw()
+    b = jnp.ones((4, 5))
+    jaxpr = jax.make_jaxpr(mpjax.autocast(f, dtype=low))(x, w, b)
+    stacks = [e for e in jaxpr.eqns if e.primitive.name == "stack"]
+    if not stacks:
+        pytest.skip(f"jnp.stack is not a primitive on jax {jax.__version__}")
+    assert [e.outvars[0].aval.dtype for e in stacks] == [low, F32]
+    for got, ref in zip(mpjax.autocast(f, dtype=low)(x, w, b), f(x, w, b)):
+        assert got.dtype == F32
+        np.testing.assert_allclose(got, ref, rtol=rel_tol(low), atol=rel_tol(low))
