@@ -21,6 +21,7 @@ import numpy as np
 
 from mpjax import _compat
 from mpjax import _nnx
+from mpjax import _trace_cache
 from mpjax import control_flow  # noqa: F401  (registers the higher-order rules)
 from mpjax import policy
 from mpjax import policy as policy_module  # `policy` is also autocast's argument
@@ -83,6 +84,11 @@ def autocast(
     ints, floats, strings) is passed to `fun` as it is, so it may steer Python
     control flow. Flax NNX modules may be passed too: what `fun` writes to them
     (BatchNorm statistics, RNG counters) is kept, at the variables' own dtypes.
+
+    As with ``jax.jit``, `fun` is traced once per new argument signature (the
+    arrays' shapes and dtypes, the pytree structure, the static values), and
+    eager calls with that signature reuse the trace: Python side effects in
+    `fun` (a print, a counter) run once per new signature, not at every call.
 
     Calls nest: inside an autocast function, ``autocast(g, enabled=False)`` runs
     `g` exactly as written and ``autocast(g, dtype=jnp.bfloat16)`` runs it in
@@ -163,6 +169,8 @@ def _check_fun(fun) -> None:
 def _wrap(fun, region: Region, enabled: bool):
     """`fun` run under `region`, in a named scope that nested calls read back."""
 
+    cache = _trace_cache.TraceCache()  # eager calls: one trace per argument signature
+
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
         with jax.named_scope(region.scope_name):
@@ -175,7 +183,7 @@ def _wrap(fun, region: Region, enabled: bool):
                     args,
                     kwargs,
                 )
-            return _autocast_call(fun, region, args, kwargs)
+            return _autocast_call(fun, region, args, kwargs, cache)
 
     # Lets `audit` count the casts autocast adds. Stored with `wrapped` itself, since
     # functools.wraps in other transforms (jax.grad) copies attributes onward.
@@ -191,14 +199,20 @@ _STATIC_HINT = (
 )
 
 
-def trace_arrays(fun, args, kwargs):
+def trace_arrays(fun, args, kwargs, cache: _trace_cache.TraceCache | None = None):
     """Traces ``fun(*args, **kwargs)`` with the array leaves abstract.
 
     Every other leaf (Python scalars, strings, None) is passed to `fun` as it is.
-    Returns the closed jaxpr, the output shapes, and the array leaves.
+    Returns the closed jaxpr, the output shapes, and the array leaves. With a
+    `cache`, a call of a signature traced before reuses its trace.
     """
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
+    dynamic_leaves = [leaves[i] for i in dynamic]
+    key = None if cache is None else cache.key(leaves, treedef, dynamic)
+    hit = None if cache is None else cache.get(key)
+    if hit is not None:
+        return (*hit, dynamic_leaves)
 
     def flat_fun(*dynamic_leaves):
         full = list(leaves)
@@ -207,7 +221,6 @@ def trace_arrays(fun, args, kwargs):
         a, k = jax.tree.unflatten(treedef, full)
         return fun(*a, **k)
 
-    dynamic_leaves = [leaves[i] for i in dynamic]
     try:
         closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dynamic_leaves)
     except Exception as e:
@@ -222,13 +235,15 @@ def trace_arrays(fun, args, kwargs):
         ) or "Traced<" in str(e):
             e.add_note(_STATIC_HINT)
         raise
+    if cache is not None:
+        cache.put(key, closed, out_shape)
     return closed, out_shape, dynamic_leaves
 
 
-def _autocast_call(fun, region: Region, args, kwargs):
-    closed, out_shape, dynamic_leaves = trace_arrays(fun, args, kwargs)
+def _autocast_call(fun, region: Region, args, kwargs, cache=None):
+    closed, out_shape, dynamic_leaves = trace_arrays(fun, args, kwargs, cache)
     jaxpr, consts = _compat.jaxpr_and_consts(closed)
-    ctx = Context(region, Scope())
+    ctx = Context(region, Scope(), memo={})
     outs, _ = eval_jaxpr(ctx, jaxpr, consts, dynamic_leaves, [False] * len(dynamic_leaves))
     out_leaves, out_tree = jax.tree.flatten(out_shape)
     # jnp.asarray: an output that is a literal comes back a jax.Array, as from `fun`.

@@ -17,14 +17,20 @@ def dtype_of(x):
 
 
 def convert(x, dtype: np.dtype, saturate: bool):
-    """Casts `x`; a saturating cast maps finite values out of range to +-max."""
+    """Casts `x`; a saturating cast maps finite values out of range to +-max.
+
+    Infinities and NaN pass through a saturating cast unchanged: a ``-inf`` the
+    user wrote (a mask) means -inf, not -65504.
+    """
     numpy_value = isinstance(x, (np.ndarray, np.generic))
     if saturate and jnp.finfo(dtype).max < jnp.finfo(dtype_of(x)).max:
         hi = jnp.finfo(dtype).max.astype(dtype_of(x))
-        if numpy_value:  # a literal: keep its infinities
-            x = np.where(np.isinf(x), x, np.clip(x, -hi, hi))
-        else:  # computed from literals: one clamp, which XLA folds
-            x = lax.clamp(-hi, x, hi)
+        if numpy_value:  # a literal
+            return np.where(np.isfinite(x), np.clip(x, -hi, hi), x).astype(dtype)
+        # Computed from literals, so XLA folds it. The select is made in `dtype`:
+        # a value autocast holds in 16 bits stays 16 bits wide in the program.
+        clamped = lax.convert_element_type(lax.clamp(-hi, x, hi), dtype)
+        return lax.select(lax.is_finite(x), clamped, lax.convert_element_type(x, dtype))
     if numpy_value:
         return np.asarray(x).astype(dtype)
     return lax.convert_element_type(x, dtype)

@@ -139,3 +139,54 @@ def is_default_precision(precision) -> bool:
     if isinstance(precision, tuple):
         return all(p in (None, jax.lax.Precision.DEFAULT) for p in precision)
     return precision == jax.lax.Precision.DEFAULT
+
+
+def is_tracer(x) -> bool:
+    """Whether `x` is a value of a trace in progress (jit, grad, vmap, ...)."""
+    return isinstance(x, jax.core.Tracer)
+
+
+def trace_context():
+    """The configuration that changes what tracing a function gives, as `jax.jit`
+    keys its cache on it (x64, default matmul precision, the axis environment)."""
+    try:
+        from jax._src import config
+    except ImportError:  # pragma: no cover - a JAX without it: the public x64 flag
+        return (jax.config.jax_enable_x64,)
+    return config.trace_context()
+
+
+def zeros(aval, dtype):
+    """Zeros of `aval`'s shape at `dtype`, varying over the same manual mesh axes
+    (inside `shard_map`), so that they combine with the values `aval` stood for."""
+    out = jax.numpy.zeros(aval.shape, dtype)
+    varying = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+    return jax.lax.pcast(out, tuple(varying), to="varying") if varying else out
+
+
+def abstract(x, dtype, slice_leading: bool = False):
+    """The type of `x` (of one slice along its first axis) at `dtype`, with its
+    sharding and the manual mesh axes it varies over: what a loop body is probed
+    at. Inside `shard_map`, a bare shape and dtype would be a replicated value."""
+    aval = jax.typeof(x)
+    if slice_leading:
+        aval = jax.eval_shape(lambda v: jax.lax.index_in_dim(v, 0, keepdims=False), x)
+    return aval.update(dtype=dtype, weak_type=False)
+
+
+def custom_vmap_parts(params):
+    """The function and the vmap rule of a `custom_vmap_call` equation.
+
+    Returns ``(call, rule)``: `call` is the closed jaxpr of the function over the
+    equation's flat inputs; ``rule(axis_size, in_batched, args)`` runs the user's
+    rule on flat inputs (batched ones with the batch axis first) and returns
+    ``(flat_outs, flat_out_batched)``, as JAX's own batching of the primitive does.
+    """
+    in_tree, rule = params["in_tree"], params["rule"]
+
+    def flat_rule(axis_size, in_batched, args):
+        batched = jax.tree.unflatten(in_tree, list(in_batched))
+        out, out_batched = rule(axis_size, list(batched), *jax.tree.unflatten(in_tree, list(args)))
+        return jax.tree.leaves(out), jax.tree.leaves(out_batched)
+
+    return params["call"], flat_rule

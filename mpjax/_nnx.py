@@ -23,15 +23,31 @@ def _is_nnx(x) -> bool:
     if nnx is None:
         return False
     return isinstance(x, (nnx.Module, nnx.Variable, nnx.Rngs)) or (
-        nnx.graph.is_graph_node(x) and not isinstance(x, (tuple, list, dict))
+        nnx.graph.is_graph_node(x) and not isinstance(x, (tuple, list, dict, nnx.State))
     )
+
+
+def _is_nnx_or_state(x) -> bool:
+    """Where flattening the arguments stops: at NNX objects, and at `nnx.State`s.
+
+    A State (from ``nnx.split``) is a plain pytree of values: the `nnx.Variable`s
+    it holds are not a module's, and `fun` gets them traced, like any array. It
+    is flattened whole later, so its Variables are never taken for modules.
+    """
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and (isinstance(x, nnx.State) or _is_nnx(x))
+
+
+def _nnx_leaves(tree):
+    """The leaves of `tree`, its NNX objects (not those inside a State) kept whole."""
+    return jax.tree.flatten(tree, is_leaf=_is_nnx_or_state)
 
 
 def has_nnx_objects(tree) -> bool:
     """Whether the arguments hold NNX objects whose state autocast must carry."""
     if sys.modules.get("flax.nnx") is None:
         return False
-    return any(_is_nnx(x) for x in jax.tree.leaves(tree, is_leaf=_is_nnx))
+    return any(_is_nnx(x) for x in _nnx_leaves(tree)[0])
 
 
 def call_with_state(call, fun, args, kwargs):
@@ -42,7 +58,7 @@ def call_with_state(call, fun, args, kwargs):
     """
     from flax import nnx  # already imported: the arguments hold NNX objects
 
-    leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_nnx)
+    leaves, treedef = _nnx_leaves((args, kwargs))
     where = [i for i, x in enumerate(leaves) if _is_nnx(x)]
     nodes = [leaves[i] for i in where]
     graphdef, state = nnx.split(nodes)  # one split: modules shared between arguments stay shared

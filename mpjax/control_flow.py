@@ -1,5 +1,5 @@
 """The rules of the higher-order primitives: nested jit, remat, shard_map,
-custom_jvp, cond, scan and while.
+custom_jvp, custom_vmap, cond, scan and while.
 
 Each rule rebuilds its primitive around bodies that the interpreter evaluates
 under the same policy (`mpjax.interpreter.eval_jaxpr`), so the casts inside a
@@ -93,6 +93,40 @@ def _custom_jvp(ctx: Context, eqn, vals, weak):
     return list(rebuilt(*vals))
 
 
+def _custom_vmap(ctx: Context, eqn, vals, weak):
+    """Rebuilt as a new custom_vmap whose function and vmap rule are both autocast.
+
+    The rule is traced at the original dtypes (and the batched shapes) and
+    evaluated under the policy; its outputs are cast to the function's output
+    dtypes, as the primitive requires of its rule.
+    """
+    call, rule = _compat.custom_vmap_parts(eqn.params)
+
+    def primal(*args):
+        outs, _ = eval_closed(ctx.child(), call, list(args), weak)
+        return outs
+
+    def vmap_rule(axis_size, in_batched, *args):
+        unbatched = [_compat.abstract(a, dtype_of(a), b) for a, b in zip(args, in_batched)]
+        out_avals = jax.eval_shape(primal, *unbatched)
+        out_batched = []
+
+        def original_rule(*xs):
+            outs, batched = rule(axis_size, in_batched, xs)
+            out_batched[:] = batched
+            return outs
+
+        at_original_dtypes = [_compat.abstract(a, v.aval.dtype) for a, v in zip(args, eqn.invars)]
+        child = ctx.child()
+        closed = jax.make_jaxpr(original_rule)(*at_original_dtypes)
+        outs, _ = eval_closed(child, closed, list(args), weak)
+        return [child.scope.cast(o, a.dtype) for o, a in zip(outs, out_avals)], list(out_batched)
+
+    rebuilt = jax.custom_batching.custom_vmap(primal)
+    rebuilt.def_vmap(vmap_rule)
+    return list(rebuilt(*vals))
+
+
 def _cond(ctx: Context, eqn, vals, weak):
     """Each branch is autocast; outputs are cast to the widest across branches."""
     index, ops = vals[0], vals[1:]
@@ -101,7 +135,7 @@ def _cond(ctx: Context, eqn, vals, weak):
 
     def branch_fn(closed, out_dtypes=None):
         def fn(*args):
-            child = ctx.child()
+            child = ctx.child(probing=out_dtypes is None)
             outs, _ = eval_closed(child, closed, list(args), ops_weak)
             if out_dtypes is None:
                 return outs
@@ -109,8 +143,14 @@ def _cond(ctx: Context, eqn, vals, weak):
 
         return fn
 
-    per_branch = [jax.eval_shape(branch_fn(b), *ops) for b in branches]
-    out_dtypes = [_join([a.dtype for a in avals]) for avals in zip(*per_branch)]
+    def solve():
+        per_branch = [jax.eval_shape(branch_fn(b), *ops) for b in branches]
+        return [_join([a.dtype for a in avals]) for avals in zip(*per_branch)]
+
+    out_dtypes = ctx.solved(eqn, vals, weak, solve)
+    abstract = _abstract(ctx, eqn, out_dtypes)
+    if abstract is not None:
+        return abstract
     return list(lax.switch(index, [branch_fn(b, out_dtypes) for b in branches], *ops))
 
 
@@ -146,10 +186,22 @@ def _fix_carry(ctx: Context, init, init_weak, probe) -> tuple[list, Scope]:
     raise AssertionError("autocast: loop carry dtypes did not converge")  # unreachable
 
 
-def _hoist(ctx: Context, scope: Scope) -> None:
-    """Makes the casts a loop body asked of loop-invariant values, outside it."""
-    for value, dtype, weak in scope.requests:
-        ctx.scope.cast(value, dtype, weak)
+def _abstract(ctx: Context, eqn, dtypes) -> list | None:
+    """Inside a probe, the outputs of a solved loop or cond: zeros of the
+    equation's shapes at the solved dtypes. A probe reads only dtypes, so its
+    body need not be traced again. None outside probes (and for PRNG keys)."""
+    if not ctx.probing or any(jax.dtypes.issubdtype(d, jax.dtypes.extended) for d in dtypes):
+        return None
+    return [_compat.zeros(v.aval, d) for v, d in zip(eqn.outvars, dtypes, strict=True)]
+
+
+def _positions(scope: Scope, *groups) -> list[tuple[int, int, np.dtype, bool]]:
+    """The casts a probed loop body asked of loop-invariant values, as
+    ``(group, index, dtype, weak)``: the value is ``groups[group][index]``
+    (the loop's consts, or its xs slices). Positions, unlike the values, hold
+    for every trace of the loop."""
+    where = {id(v): (g, i) for g, vs in enumerate(groups) for i, v in reversed(list(enumerate(vs)))}
+    return [(*where[id(value)], dtype, weak) for value, dtype, weak in scope.requests]
 
 
 def _scan(ctx: Context, eqn, vals, weak):
@@ -179,35 +231,36 @@ def _scan(ctx: Context, eqn, vals, weak):
         )
         return outs[:n_carry], outs[n_carry:]
 
-    xs_avals = [jax.ShapeDtypeStruct(np.shape(x)[1:], dtype_of(x)) for x in xs]
-    slice_ids: dict[int, int] = {}
+    xs_avals = [_compat.abstract(x, dtype_of(x), slice_leading=True) for x in xs]
+    slices: list = []  # the xs slices of the last probe
+    ys_dtypes: list = []  # and its ys dtypes
 
     def probe(carry_dtypes):
-        child = ctx.child(invariant=consts)
+        child = ctx.child(invariant=consts, probing=True)
 
         def fn(carry, x_slices):
-            slice_ids.clear()
-            slice_ids.update({id(s): i for i, s in enumerate(x_slices)})
-            child.scope._invariant |= set(slice_ids)
-            return run_body(child, carry, x_slices)[0]
+            slices[:] = x_slices
+            child.scope._invariant |= {id(s) for s in x_slices}
+            return run_body(child, carry, x_slices)
 
-        carry_avals = [jax.ShapeDtypeStruct(np.shape(c), d) for c, d in zip(init, carry_dtypes)]
-        out = jax.eval_shape(fn, carry_avals, xs_avals)
-        return [a.dtype for a in out], child.scope
+        carry_avals = [_compat.abstract(c, d) for c, d in zip(init, carry_dtypes)]
+        carry_out, ys = jax.eval_shape(fn, carry_avals, xs_avals)
+        ys_dtypes[:] = [a.dtype for a in ys]
+        return [a.dtype for a in carry_out], child.scope
 
-    carry_dtypes, probe_scope = _fix_carry(ctx, init, init_weak, probe)
+    def solve():
+        carry_dtypes, scope = _fix_carry(ctx, init, init_weak, probe)
+        return carry_dtypes, _positions(scope, consts, slices), [*carry_dtypes, *ys_dtypes]
 
-    # Casts of whole xs are made once, outside the loop, and scanned over.
+    carry_dtypes, requests, out_dtypes = ctx.solved(eqn, vals, weak, solve)
+    # Casts of loop invariants are made once, outside the loop; those of whole xs
+    # are scanned over beside the originals.
     hoisted_xs = []
-    const_requests = []
-    for value, dtype, w in probe_scope.requests:
-        if id(value) in slice_ids:
-            i = slice_ids[id(value)]
+    for group, i, dtype, w in requests:
+        if group == 1:
             hoisted_xs.append((i, dtype, ctx.scope.cast(xs[i], dtype, w)))
         else:
-            const_requests.append((value, dtype, w))
-    probe_scope.requests = const_requests
-    _hoist(ctx, probe_scope)
+            ctx.scope.cast(consts[i], dtype, w)
 
     def body(carry, x_all):
         x_slices, extra = x_all[: len(xs)], x_all[len(xs) :]
@@ -218,6 +271,9 @@ def _scan(ctx: Context, eqn, vals, weak):
         return [child.scope.cast(c, d) for c, d in zip(new_carry, carry_dtypes)], ys
 
     init = [ctx.scope.cast(c, d, w) for c, d, w in zip(init, carry_dtypes, init_weak)]
+    abstract = _abstract(ctx, eqn, out_dtypes)
+    if abstract is not None:
+        return abstract
     carry, ys = lax.scan(
         body,
         init,
@@ -247,13 +303,18 @@ def _while(ctx: Context, eqn, vals, weak):
         return outs
 
     def probe(carry_dtypes):
-        child = ctx.child(invariant=body_consts)
-        carry_avals = [jax.ShapeDtypeStruct(np.shape(c), d) for c, d in zip(init, carry_dtypes)]
+        child = ctx.child(invariant=body_consts, probing=True)
+        carry_avals = [_compat.abstract(c, d) for c, d in zip(init, carry_dtypes)]
         out = jax.eval_shape(lambda c: run_body(child, c), carry_avals)
         return [a.dtype for a in out], child.scope
 
-    carry_dtypes, probe_scope = _fix_carry(ctx, init, init_weak, probe)
-    _hoist(ctx, probe_scope)
+    def solve():
+        carry_dtypes, scope = _fix_carry(ctx, init, init_weak, probe)
+        return carry_dtypes, _positions(scope, body_consts)
+
+    carry_dtypes, requests = ctx.solved(eqn, vals, weak, solve)
+    for _, i, dtype, w in requests:  # loop-invariant casts, made once outside the loop
+        ctx.scope.cast(body_consts[i], dtype, w)
 
     def cond_fn(carry):
         outs, _ = eval_closed(
@@ -269,6 +330,9 @@ def _while(ctx: Context, eqn, vals, weak):
         return [child.scope.cast(c, d) for c, d in zip(run_body(child, carry), carry_dtypes)]
 
     init = [ctx.scope.cast(c, d, w) for c, d, w in zip(init, carry_dtypes, init_weak)]
+    abstract = _abstract(ctx, eqn, carry_dtypes)
+    if abstract is not None:
+        return abstract
     return list(lax.while_loop(cond_fn, body_fn, init))
 
 
@@ -283,6 +347,7 @@ HIGHER_ORDER["remat2"] = _remat
 HIGHER_ORDER["checkpoint"] = _remat
 HIGHER_ORDER["shard_map"] = _shard_map
 HIGHER_ORDER["custom_jvp_call"] = _custom_jvp
+HIGHER_ORDER["custom_vmap_call"] = _custom_vmap
 HIGHER_ORDER["cond"] = _cond
 HIGHER_ORDER["scan"] = _scan
 HIGHER_ORDER["while"] = _while

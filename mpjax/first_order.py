@@ -83,6 +83,8 @@ def policy_rule(ctx, eqn, vals, weak):
     args = _cast_all(ctx, vals, _targets(rule, eqn, vals, weak, low, lean), weak)
     updates = {}
     if rule is Rule.LOW:
+        if _explicit_result_type(eqn):
+            return _compat.bind(eqn, *args)
         if _float32_accumulator(ctx.region, eqn, vals):
             return _low_product_float32_accumulator(eqn, args, low)
         preferred = eqn.params.get("preferred_element_type")
@@ -91,6 +93,20 @@ def policy_rule(ctx, eqn, vals, weak):
     if "update_jaxpr" in eqn.params and args and dtype_of(args[0]) != eqn.invars[0].aval.dtype:
         updates.update(_compat.retype_scalar_jaxpr(eqn.params, dtype_of(args[0])))
     return _compat.bind(eqn, *args, **updates)
+
+
+def _explicit_result_type(eqn) -> bool:
+    """Whether a product's `preferred_element_type` was asked for by the user.
+
+    jnp sets it to the inputs' promoted dtype, which autocast replaces by the low
+    dtype. Any other value (float16 operands accumulated into a float32 result)
+    was written explicitly, and is kept: the operands still go to the low dtype.
+    """
+    preferred = eqn.params.get("preferred_element_type")
+    if preferred is None or not policy.is_castable(preferred):
+        return False
+    default = policy.widest(v.aval.dtype for v in eqn.invars[:2])
+    return np.dtype(preferred) != default
 
 
 def _float32_accumulator(region, eqn, vals) -> bool:

@@ -100,9 +100,41 @@ class Context(NamedTuple):
     scope: Scope
     float32_only: frozenset = frozenset()
     """Lean policy: the variables read only by float32-list primitives."""
+    memo: dict | None = None
+    """What rules solved by probing a body (a loop's carry dtypes and hoisted
+    casts, a cond's output dtypes), for the whole autocast call: see `solved`."""
+    probing: bool = False
+    """Inside a probe: a body evaluated abstractly, for its output dtypes only."""
 
-    def child(self, invariant=()) -> Context:
-        return self._replace(scope=Scope(self.scope, invariant))
+    def child(self, invariant=(), probing: bool = False) -> Context:
+        return self._replace(scope=Scope(self.scope, invariant), probing=self.probing or probing)
+
+    def solved(self, eqn, vals, weak, solve: Callable):
+        """``solve()``, once per equation, region and input dtypes and weak flags.
+
+        A loop rule probes its body before tracing it, so without this an inner
+        loop would be probed again inside every evaluation of the outer body:
+        2**depth evaluations of the innermost body. With it, and with solved
+        rules answering probes without their bodies (`control_flow._abstract`),
+        each body is probed once and traced once. `solve` must return nothing
+        tied to one trace (positions, not values).
+        """
+        if self.memo is None:
+            return solve()
+        key = (id(eqn), self.region, tuple(map(_signature, vals, weak)))
+        entry = self.memo.get(key)
+        if entry is None:
+            # The equation is kept with its result, so its id is not reused.
+            entry = self.memo[key] = (eqn, solve())
+        return entry[1]
+
+
+def _signature(x, weak: bool):
+    """What a rule's result may depend on in an input: its dtype and weak flag,
+    and a literal's value too (whether the low dtype holds it, `first_order._fits`)."""
+    if weak and isinstance(x, (np.ndarray, np.generic)):
+        return x.dtype, np.shape(x), np.asarray(x).tobytes()
+    return dtype_of(x), weak
 
 
 # --------------------------------------------------------------------------

@@ -79,7 +79,7 @@ WIDEST = _table(Rule.WIDEST, [
     "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "atan2",
     "nextafter",
     "eq", "ne", "lt", "le", "gt", "ge",
-    "select_n", "clamp", "concatenate", "pad",
+    "select_n", "clamp", "concatenate", "stack", "pad",
     "dynamic_update_slice",
     "scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max",
     "select_and_scatter_add", "select_and_gather_add",

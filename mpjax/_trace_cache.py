@@ -1,0 +1,63 @@
+"""The programs an autocast function traced eagerly, by argument signature.
+
+An eager call of ``autocast(f)`` traces `f` to a jaxpr before evaluating it under
+the policy. Called again with arguments of the same signature, it reuses that
+jaxpr, as `jax.jit` reuses its traces: the signature is the argument pytree's
+structure, each array leaf's shape, dtype, weak type and sharding, and the value
+of every other (static) leaf. Calls inside another trace are never cached, since
+values closed over from that trace would be baked into the jaxpr's constants.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from mpjax import _compat
+
+
+class TraceCache:
+    """A least-recently-used map from argument signature to (jaxpr, output shapes)."""
+
+    def __init__(self, maxsize: int = 64):
+        self.maxsize = maxsize
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+
+    def key(self, leaves, treedef, dynamic):
+        """The signature of a call, or None where the call cannot be cached: an
+        argument is a tracer, or a static leaf is unhashable."""
+        dynamic_set = set(dynamic)
+        arrays, statics = [], []
+        for i, x in enumerate(leaves):
+            if i in dynamic_set:
+                if _compat.is_tracer(x):
+                    return None
+                arrays.append(
+                    (x.shape, x.dtype, getattr(x, "weak_type", False), getattr(x, "sharding", None))
+                )
+            else:
+                statics.append((type(x), x))  # 1, 1.0 and True trace differently
+        key = (treedef, _compat.trace_context(), tuple(arrays), tuple(statics))
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+    def get(self, key):
+        if key is None:
+            return None
+        try:
+            entry = self._entries.get(key)
+        except (TypeError, ValueError):  # a static leaf whose == raises: trace again
+            return None
+        if entry is not None:
+            self._entries.move_to_end(key)
+        return entry
+
+    def put(self, key, closed, out_shape) -> None:
+        """Stores a trace, unless its constants hold tracers of an outer trace."""
+        if key is None or any(_compat.is_tracer(c) for c in _compat.jaxpr_and_consts(closed)[1]):
+            return
+        self._entries[key] = (closed, out_shape)
+        if len(self._entries) > self.maxsize:
+            self._entries.popitem(last=False)

@@ -1,0 +1,383 @@
+"""Corner cases of autocast a user meets in real programs: infinities in masks,
+explicit accumulation dtypes, Flax NNX's functional API, repeated eager calls,
+deeply nested loops, custom_vmap."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import F32, all_eqns, rel_tol
+
+import mpjax
+
+
+def _xw(seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(k1, (4, 8)), 0.3 * jax.random.normal(k2, (8, 5))
+
+
+# --- infinities the user wrote stay infinite ---------------------------------------
+
+
+def test_minus_inf_mask_stays_minus_inf(low):
+    x, w = _xw()
+    mask = jnp.arange(20).reshape(4, 5) % 3 != 0
+
+    def f(x, w):
+        return jnp.where(mask, x @ w, -jnp.inf)
+
+    out = jax.jit(mpjax.autocast(f, dtype=low))(x, w)
+    ref = f(x, w)
+    assert out.dtype == F32
+    np.testing.assert_array_equal(np.isneginf(out), np.isneginf(ref))
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(out[finite], ref[finite], rtol=rel_tol(low), atol=rel_tol(low))
+
+
+def test_fully_masked_logsumexp_row_is_minus_inf(low):
+    x, w = _xw()
+    mask = jnp.array([[False] * 5, [True] * 5, [True, False] * 2 + [True], [True] * 5])
+
+    def f(x, w):
+        return jax.nn.logsumexp(jnp.where(mask, x @ w, -jnp.inf), axis=-1)
+
+    out = mpjax.autocast(f, dtype=low)(x, w)
+    ref = f(x, w)
+    assert out[0] == -jnp.inf and ref[0] == -jnp.inf
+    np.testing.assert_allclose(out[1:], ref[1:], rtol=rel_tol(low))
+
+
+def test_weak_constants_saturate_but_keep_inf_and_nan(low):
+    # The huge finite constant saturates to the low dtype's max (a -1e9 mask must
+    # not become -inf); the infinities and the NaN are kept as written.
+    def f(x, w):
+        i = jnp.arange(4)  # `held` is computed from literals only: weak
+        held = jnp.where(
+            i == 0, -1e9, jnp.where(i == 1, -jnp.inf, jnp.where(i == 2, jnp.inf, jnp.nan))
+        )
+        return (x @ w)[0] + held  # the add runs in `low`: `held` is cast to it
+
+    x, w = jnp.zeros((2, 3)), jnp.zeros((3, 4))
+    out = mpjax.autocast(f, dtype=low)(x, w)
+    saturated = float(jnp.asarray(max(-1e9, -float(jnp.finfo(low).max)), low))
+    np.testing.assert_array_equal(out[:3], [saturated, -np.inf, np.inf])
+    assert np.isnan(out[3])
+
+
+# --- an explicit preferred_element_type is kept ------------------------------------
+
+
+def _halves(*shapes):
+    keys = jax.random.split(jax.random.key(1), len(shapes))
+    return [jax.random.normal(k, s).astype(jnp.float16) for k, s in zip(keys, shapes)]
+
+
+def test_explicit_float32_accumulation_of_a_dot_is_kept():
+    a, b = _halves((64, 512), (512, 64))
+    ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+
+    def f(a, b):
+        return jax.lax.dot(a, b, preferred_element_type=jnp.float32)
+
+    for low in (jnp.float16, jnp.bfloat16):
+        out = jax.jit(mpjax.autocast(f, dtype=low))(a, b)
+        assert out.dtype == F32
+        if low == jnp.float16:  # float16 operands, float32 sums: as without autocast
+            np.testing.assert_allclose(out, f(a, b), rtol=1e-6, atol=1e-5)
+            assert np.max(np.abs(out - ref)) < 1e-4  # a float16 result is off by 3e-3
+    # jnp's own default (float32 x float32 -> float32) still multiplies in float16.
+    (dot,) = [
+        e
+        for e in jax.make_jaxpr(mpjax.autocast(lambda a, b: a @ b))(
+            a.astype(F32), b.astype(F32)
+        ).eqns
+        if e.primitive.name == "dot_general"
+    ]
+    assert dot.invars[0].aval.dtype == jnp.float16
+
+
+def test_explicit_float32_accumulation_of_a_conv_is_kept():
+    x, k = _halves((2, 16, 12, 12), (8, 16, 3, 3))
+    ref = jax.lax.conv(np.asarray(x, np.float32), np.asarray(k, np.float32), (1, 1), "SAME")
+
+    def f(x, k):
+        return jax.lax.conv_general_dilated(
+            x, k, (1, 1), "SAME", preferred_element_type=jnp.float32
+        )
+
+    out = jax.jit(mpjax.autocast(f))(x, k)
+    assert out.dtype == F32
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+
+
+# --- Flax NNX's functional API: nnx.State arguments and outputs are pytrees --------
+
+
+def _nnx_split_loss():
+    nnx = pytest.importorskip("flax.nnx")
+    optax = pytest.importorskip("optax")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(8, 16, rngs=rngs)
+            self.bn = nnx.BatchNorm(16, rngs=rngs)
+            self.head = nnx.Linear(16, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(nnx.relu(self.bn(self.linear(x))))
+
+    graphdef, params, rest = nnx.split(Model(nnx.Rngs(0)), nnx.Param, ...)
+
+    def loss(params, rest, x, y):
+        model = nnx.merge(graphdef, params, rest, copy=True)
+        value = optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+        return value, nnx.state(model, nnx.BatchStat)
+
+    x = 2.0 * jax.random.normal(jax.random.key(1), (32, 8)) + 1.0
+    y = jax.random.randint(jax.random.key(2), (32,), 0, 3)
+    return nnx, loss, (params, rest, x, y)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_nnx_split_state_through_autocast(jit):
+    nnx, loss, args = _nnx_split_loss()
+    rest = args[1]
+    step = jax.value_and_grad(mpjax.autocast(loss), has_aux=True)
+    step = jax.jit(step) if jit else step
+    (value, stats), grads = step(*args)
+    (ref_value, ref_stats), ref_grads = jax.value_and_grad(loss, has_aux=True)(*args)
+
+    assert isinstance(stats, nnx.State) and isinstance(grads, nnx.State)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-2)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        assert g.dtype == F32
+        np.testing.assert_allclose(g, r, rtol=2e-2, atol=2e-3)
+    old = jax.tree.leaves(nnx.filter_state(rest, nnx.BatchStat))
+    for s, r, o in zip(jax.tree.leaves(stats), jax.tree.leaves(ref_stats), old, strict=True):
+        assert s.dtype == F32
+        assert not np.allclose(s, o)  # the running statistics moved
+        np.testing.assert_allclose(s, r, rtol=1e-2, atol=1e-3)
+
+
+# --- eager calls trace once per argument signature ---------------------------------
+
+
+def _counting(fn):
+    calls = []
+
+    def f(*args, **kwargs):
+        calls.append(1)  # a Python side effect: runs at trace time only
+        return fn(*args, **kwargs)
+
+    return f, calls
+
+
+def _mlp(x, w, scale=1.0):
+    return jnp.tanh(x @ w) * scale, jnp.sum(x @ w)
+
+
+def test_eager_calls_trace_once_per_signature():
+    f, calls = _counting(_mlp)
+    g = mpjax.autocast(f)
+    x, w = _xw()
+    outs = [g(x, w) for _ in range(5)]
+    assert len(calls) == 1
+    fresh = mpjax.autocast(_mlp)(x, w)  # a first call: traced, never cached
+    for out in outs:
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(fresh), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(a, b)
+    g(x[:2], w)  # a new shape
+    g(x.astype(jnp.bfloat16), w)  # a new dtype
+    g(x, w, scale=2.0)  # a new static value
+    g(x, w, scale=2)  # an int traces differently from a float
+    assert len(calls) == 5
+    g(x[:2], w), g(x, w, scale=2.0)
+    assert len(calls) == 5
+
+
+def test_eager_cache_is_bounded_and_skips_unhashable_statics():
+    f, calls = _counting(lambda x, opts: x * opts["k"])
+    g = mpjax.autocast(f)
+    g(jnp.ones(3), {"k": 2.0}), g(jnp.ones(3), {"k": 2.0})
+    assert len(calls) == 1
+    h, h_calls = _counting(lambda x, table: x * table[0])
+    k = mpjax.autocast(h)
+    unhashable = type("Table", (), {"__hash__": None, "__getitem__": lambda s, i: 2.0})()
+    k(jnp.ones(3), unhashable), k(jnp.ones(3), unhashable)
+    assert len(h_calls) == 2  # an unhashable static leaf: traced at every call
+    for n in range(10, 74):  # 64 new signatures: with shape 3, one more than it holds
+        g(jnp.ones(n), {"k": 2.0})
+    before = len(calls)
+    g(jnp.ones(3), {"k": 2.0})  # shape 3 was used longest ago: evicted
+    assert len(calls) == before + 1
+
+
+def test_eager_cache_never_keeps_values_of_an_outer_trace():
+    # Under jit, `fn` closes over a tracer; the next trace must not see the old one.
+    @jax.jit
+    def outer(y):
+        return mpjax.autocast(lambda x: x * y)(jnp.ones(3))
+
+    np.testing.assert_array_equal(outer(2.0), 2.0)
+    np.testing.assert_array_equal(outer(3.0), 3.0)
+    inner = mpjax.autocast(lambda x: x + 1.0)
+    np.testing.assert_array_equal(jax.jit(lambda y: inner(jnp.ones(3)) * y)(2.0), 4.0)
+    np.testing.assert_array_equal(inner(jnp.ones(3)), 2.0)
+
+
+# --- nested loops: trace time linear in the depth ----------------------------------
+
+
+def _nested(depth, kind):
+    def loop(c, d):
+        if d == 0:
+            return jnp.tanh(c)
+        if kind == "scan":
+            body = lambda c, x: (loop(c * x, d - 1), None)  # noqa: E731
+            return jax.lax.scan(body, c, jnp.ones((2, *c.shape)))[0]
+        if kind == "while":
+            return jax.lax.while_loop(lambda c: c.sum() < 0, lambda c: loop(c, d - 1), c)
+        return jax.lax.cond(c.sum() > 0, lambda c: loop(c, d - 1), lambda c: c, c)
+
+    return lambda c, w: loop(c @ w, depth).sum()
+
+
+@pytest.mark.parametrize("kind", ["scan", "while", "cond"])
+def test_nested_loop_bodies_are_evaluated_linearly_often(kind, monkeypatch):
+    # How often autocast evaluates the innermost body (its one `tanh`) when
+    # tracing 1 to 5 nested loops. Each loop probes its body for its dtypes,
+    # then traces it; done naively, an inner loop is probed and traced again in
+    # each evaluation of the outer body: 2**depth.
+    from mpjax import first_order
+
+    evaluations = []
+    rule = first_order.policy_rule
+
+    def counting(ctx, eqn, vals, weak):
+        evaluations.append(eqn.primitive.name == "tanh")
+        return rule(ctx, eqn, vals, weak)
+
+    monkeypatch.setattr(first_order, "policy_rule", counting)
+    counts = []
+    c, w = jnp.ones((4, 4)), jnp.ones((4, 4))
+    for depth in range(1, 6):
+        evaluations.clear()
+        jax.make_jaxpr(mpjax.autocast(_nested(depth, kind)))(c, w)
+        counts.append(sum(evaluations))
+    assert np.all(np.diff(counts, 2) == 0) and counts[-1] <= 2 * 5, counts  # not 2**depth
+    # The result is the same program, in float32 where it should be.
+    f = _nested(3, kind)
+    np.testing.assert_allclose(mpjax.autocast(f)(c, w), f(c, w), rtol=1e-2)
+
+
+def test_one_loop_called_with_two_literals_solves_each():
+    # A jitted helper's jaxpr is shared by its call sites; its loop's carry dtype
+    # depends on the literal it gets (1e-8 is not a float16 number: float32).
+    @jax.jit
+    def helper(c, eps):
+        return jax.lax.fori_loop(0, 3, lambda i, c: c * eps + c, c)
+
+    def f(x, w):
+        h = x @ w
+        return helper(h, 1e-8), helper(h, 0.5)
+
+    x, w = _xw()
+    (tiny, half), (tiny_ref, half_ref) = mpjax.autocast(f)(x, w), f(x, w)
+    np.testing.assert_allclose(tiny, tiny_ref, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(half, half_ref, rtol=2e-2, atol=2e-2)
+    carries = [
+        e.outvars[1].aval.dtype
+        for e in jax.make_jaxpr(mpjax.autocast(f))(x, w).eqns
+        if e.primitive.name in ("scan", "while")
+    ]
+    assert carries == [F32, jnp.float16]
+
+
+# --- loops inside shard_map: probes keep the varying manual axes -------------------
+
+
+def test_loops_inside_shard_map_mix_replicated_and_sharded_values():
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+
+    def local(w, x):  # w replicated, x sharded: the loops mix both
+        def step(c, _):
+            c = jax.lax.cond(c.sum() > 0, lambda c: jnp.tanh(c @ w), lambda c: c, c)
+            c = jax.lax.fori_loop(0, 2, lambda i, c: jnp.tanh(c @ w), c)
+            return c, c.sum()
+
+        c, ys = jax.lax.scan(step, x, None, length=3)
+        return jax.lax.psum(c.sum() + ys.sum(), "data")
+
+    def run(wrap):
+        specs = dict(mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+        return jax.jit(jax.shard_map(lambda w, x: wrap(local)(w, x), **specs))
+
+    w = 0.5 * jnp.eye(4) + 0.1
+    x = jax.random.normal(jax.random.key(0), (8, 4))
+    out = run(mpjax.autocast)(w, x)
+    assert out.dtype == F32
+    np.testing.assert_allclose(out, run(lambda f: f)(w, x), rtol=2e-2)
+
+
+# --- custom_vmap: function and rule both under the policy --------------------------
+
+
+def _dot_operand_dtypes(jaxpr):
+    return [
+        tuple(v.aval.dtype for v in e.invars)
+        for e in all_eqns(jaxpr)
+        if e.primitive.name == "dot_general"
+    ]
+
+
+def test_custom_vmap_function_and_rule_run_under_the_policy(low):
+    rule_calls = []
+
+    @jax.custom_batching.custom_vmap
+    def layer(x, w):
+        return jnp.tanh(x @ w)
+
+    @layer.def_vmap
+    def layer_rule(axis_size, in_batched, x, w):
+        rule_calls.append(in_batched)
+        return jnp.tanh(jnp.einsum("bij,jk->bik", x, w)), in_batched[0]
+
+    xs, w = jax.random.normal(jax.random.key(0), (4, 2, 8)), _xw()[1]
+    # Unbatched: the function's product runs in `low`.
+    assert _dot_operand_dtypes(jax.make_jaxpr(mpjax.autocast(layer, dtype=low))(xs[0], w)) == [
+        (low, low)
+    ]
+    # Batched: the user's rule runs, and its product runs in `low` too.
+    batched = jax.vmap(mpjax.autocast(layer, dtype=low), in_axes=(0, None))
+    assert _dot_operand_dtypes(jax.make_jaxpr(batched)(xs, w)) == [(low, low)]
+    assert rule_calls == [[True, False]]
+    out, ref = jax.jit(batched)(xs, w), jax.vmap(layer, in_axes=(0, None))(xs, w)
+    assert out.dtype == F32
+    np.testing.assert_allclose(out, ref, rtol=rel_tol(low), atol=rel_tol(low))
+    # Forward-mode derivatives go through the rebuilt function too.
+    tangent = jax.jvp(mpjax.autocast(layer, dtype=low), (xs[0], w), (xs[0], w))[1]
+    ref_tangent = jax.jvp(layer, (xs[0], w), (xs[0], w))[1]
+    assert tangent.dtype == F32
+    np.testing.assert_allclose(tangent, ref_tangent, rtol=rel_tol(low), atol=rel_tol(low))
+
+
+def test_stack_runs_in_the_widest_input(low):
+    # jnp.stack is the `stack` primitive on these JAX versions: a policy op like
+    # concatenate, so stacking two low-precision products stays low precision.
+    def f(x, w, b):
+        h = x @ w
+        return jnp.stack([h, 2 * h]), jnp.stack([h, b])
+
+    x, w = _xw()
+    b = jnp.ones((4, 5))
+    jaxpr = jax.make_jaxpr(mpjax.autocast(f, dtype=low))(x, w, b)
+    stacks = [e for e in jaxpr.eqns if e.primitive.name == "stack"]
+    if not stacks:
+        pytest.skip(f"jnp.stack is not a primitive on jax {jax.__version__}")
+    assert [e.outvars[0].aval.dtype for e in stacks] == [low, F32]
+    for got, ref in zip(mpjax.autocast(f, dtype=low)(x, w, b), f(x, w, b)):
+        assert got.dtype == F32
+        np.testing.assert_allclose(got, ref, rtol=rel_tol(low), atol=rel_tol(low))
