@@ -139,12 +139,10 @@ def _sums_in_float32(region, name) -> bool:
 
 
 # Primitives of `policy.FLOAT32_SUMS` whose derivatives keep a function of their
-# operand (the positions of a maximum, the operand of a max-pool): run at float32
+# operand (the operand of a max-pool): run at float32
 # inside a `jax.checkpoint`, so that the backward pass keeps the 16-bit operand
 # rather than a float32 copy of it.
-_KEEP_OPERAND = frozenset(
-    {"reduce_max", "reduce_min", "reduce_window_max", "reduce_window_min", "select_and_gather_add"}
-)
+_KEEP_OPERAND = frozenset({"reduce_window_max", "reduce_window_min", "select_and_gather_add"})
 
 
 def _float32_sums(eqn, vals, targets, ctx, weak):
@@ -188,9 +186,63 @@ def _float32_sums(eqn, vals, targets, ctx, weak):
             for o, d in zip(outs, rounds_to)
         ]
 
+    if eqn.primitive.name in _LINEAR | _CHOOSERS and all(
+        _is_low(dtype_of(a)) for a, b in zip(args, is_low) if b
+    ):  # the forward pass as it is; only the derivative at float32
+        primal = lambda *xs: _compat.bind(eqn, *xs)  # noqa: E731
+        if eqn.primitive.name in _CHOOSERS:
+            chooser = _chooser_float32_tangent(lambda x: primal(x)[0], eqn.params["axes"])
+            return [chooser(*args)]
+        return list(_float32_tangent(primal, compute)(*args))
     if eqn.primitive.name in _KEEP_OPERAND:
         return list(jax.checkpoint(compute, prevent_cse=False)(*args))
     return compute(*args)
+
+
+# Primitives of `policy.SUMMED_BY_AUTODIFF` that are linear in their floating
+# inputs. On 16-bit values they run as they are, and only their derivative runs
+# at float32 (`_float32_tangent`): no convert in the forward pass.
+_LINEAR = frozenset({"broadcast_in_dim", "tile", "gather", "pad", "all_gather", "pvary"})
+
+
+_CHOOSERS = frozenset({"reduce_max", "reduce_min"})
+
+
+def _chooser_float32_tangent(primal, axes):
+    """reduce_max or reduce_min as it is, with JAX's JVP (the tangents at the
+    maxima, averaged over ties) taken at float32: the ties are counted, and the
+    tangents summed, in float32. The backward pass keeps which entries are
+    maxima, as booleans."""
+    fun = jax.custom_jvp(primal)
+
+    @fun.defjvp
+    def jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        out = fun(x)
+        shape = [1 if i in axes else d for i, d in enumerate(np.shape(x))]
+        chosen = jax.lax.eq(x, jax.lax.reshape(out, shape))
+        counts = jax.lax.reduce_sum(convert(chosen, F32, False), tuple(axes))
+        t = convert(t, F32, False)
+        picked = jax.lax.select(chosen, t, jnp.zeros_like(t))
+        total = jax.lax.reduce_sum(picked, tuple(axes))
+        return out, convert(total / counts, dtype_of(out), False)
+
+    return fun
+
+
+def _float32_tangent(primal, tangent):
+    """`primal`, linear in its floating arguments, whose JVP is `tangent` (the
+    same function, at float32, its results rounded): its transpose, the sum JAX
+    makes of it, is float32. Integer arguments (indices) reach `tangent` as
+    they are."""
+    fun = jax.custom_jvp(lambda *xs: list(primal(*xs)))
+
+    @fun.defjvp
+    def jvp(primals, tangents):
+        ts = [t if policy.is_castable(dtype_of(p)) else p for p, t in zip(primals, tangents)]
+        return fun(*primals), list(tangent(*ts))
+
+    return fun
 
 
 def _derivatives_sum_nothing(eqn, vals, weak) -> bool:
@@ -237,9 +289,16 @@ def _broadcast_in_float32(ctx, eqn, vals, targets, weak):
     def compute(*xs):
         xs = list(xs)
         for i, low in widen.items():
-            v = xs[i] if dtype_of(xs[i]) == F32 else convert(xs[i], F32, False)
-            v = jax.lax.broadcast_in_dim(v, shape, tuple(range(np.ndim(v))))
-            xs[i] = convert(v, low, False)
+            dims = tuple(range(np.ndim(xs[i])))
+
+            def primal(v, low=low, dims=dims):  # rounded, then broadcast
+                return [jax.lax.broadcast_in_dim(convert(v, low, False), shape, dims)]
+
+            def tangent(t, low=low, dims=dims):  # broadcast at float32, then rounded
+                t = jax.lax.broadcast_in_dim(convert(t, F32, False), shape, dims)
+                return [convert(t, low, False)]
+
+            (xs[i],) = _float32_tangent(primal, tangent)(xs[i])
         return _compat.bind(eqn, *xs)
 
     if eqn.primitive.name not in ("add", "sub"):
