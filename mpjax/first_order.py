@@ -80,7 +80,16 @@ def policy_rule(ctx, eqn, vals, weak):
     rule = Rule.ORIGINAL if low is None else policy.rule_for(eqn.primitive.name, lean=lean)
     if lean and rule is Rule.FLOAT32 and any(dtype_of(x) in policy.LOW_DTYPES for x in vals):
         return _float32_inside(ctx, eqn, vals, low)
-    args = _cast_all(ctx, vals, _targets(rule, eqn, vals, weak, low, lean), weak)
+    targets = _targets(rule, eqn, vals, weak, low, lean)
+    if low is not None and _sums_in_float32(ctx.region, eqn.primitive.name):
+        outs = _float32_sums(eqn, vals, targets, ctx, weak)
+        if outs is not None:
+            return outs
+    if low is not None and eqn.primitive.name in policy.IMPLICIT_BROADCAST:
+        outs = _broadcast_in_float32(ctx, eqn, vals, targets, weak)
+        if outs is not None:
+            return outs
+    args = _cast_all(ctx, vals, targets, weak)
     updates = {}
     if rule is Rule.LOW:
         if _explicit_result_type(eqn):
@@ -134,6 +143,183 @@ def _low_product_float32_accumulator(eqn, args, low):
     if algorithm is not None and _compat.is_default_precision(eqn.params.get("precision")):
         updates["precision"] = algorithm
     return [convert(o, low, False) for o in _compat.bind(eqn, *args, **updates)]
+
+
+def _sums_in_float32(region, name) -> bool:
+    """Whether `name` runs at float32 when the policy would run it in 16 bits: it is
+    in `policy.FLOAT32_SUMS`, and not a collective left in 16 bits by
+    ``reduce_dtype=dtype``."""
+    return name in policy.FLOAT32_SUMS and not (
+        region.reduce_low and name in policy.COLLECTIVE_SUMS
+    )
+
+
+# Primitives of `policy.FLOAT32_SUMS` whose derivatives keep a function of their
+# operand (the operand of a max-pool): run at float32
+# inside a `jax.checkpoint`, so that the backward pass keeps the 16-bit operand
+# rather than a float32 copy of it.
+_KEEP_OPERAND = frozenset({"reduce_window_max", "reduce_window_min", "select_and_gather_add"})
+
+
+def _float32_sums(eqn, vals, targets, ctx, weak):
+    """A primitive of `policy.FLOAT32_SUMS` that the policy would run on 16-bit
+    values, run at float32 on the same values, its results rounded back.
+
+    Each floating input runs in its target dtype (its own if none). If any of
+    those is 16-bit, the 16-bit inputs are upcast, exactly; a float32 value that
+    the policy would round to 16 bits (an embedding table, lean policy) is used as
+    it is where the primitive does no arithmetic, since rounding commutes with
+    moving values: the table's gradient then stays float32 all the way. The
+    results that would have been 16-bit are rounded to that dtype. Returns None
+    when nothing runs in 16 bits.
+    """
+    runs_in = [t if t is not None else dtype_of(x) for x, t in zip(vals, targets)]
+    is_low = [_is_low(d) for d in runs_in]
+    lows = {np.dtype(d) for d, b in zip(runs_in, is_low) if b}
+    positional = eqn.primitive.multiple_results and len(eqn.outvars) == len(vals)
+    if not lows or (len(lows) > 1 and not positional):
+        return None  # nothing in 16 bits, or 16-bit inputs of two kinds
+    if _derivatives_sum_nothing(eqn, vals, weak):
+        return None
+    exact = eqn.primitive.name in policy.SUMMED_BY_AUTODIFF
+    args = [
+        x if t is None or (b and exact and dtype_of(x) == F32) else ctx.scope.cast(x, t, w)
+        for x, t, w, b in zip(vals, targets, weak, is_low)
+    ]
+    if positional:  # each result has its input's dtype (psum, pvary of several values)
+        rounds_to = [d if b else None for d, b in zip(runs_in, is_low)]
+    else:
+        rounds_to = [next(iter(lows))] * len(eqn.outvars)
+    updates = {}
+    if "update_jaxpr" in eqn.params and eqn.invars[0].aval.dtype != F32:
+        updates = _compat.retype_scalar_jaxpr(eqn.params, F32)  # a scatter's combiner
+
+    def compute(*xs):
+        xs = [convert(x, F32, False) if dtype_of(x) in policy.LOW_DTYPES else x for x in xs]
+        outs = _compat.bind(eqn, *xs, **updates)
+        return [
+            o if d is None or dtype_of(o) != F32 else convert(o, d, False)
+            for o, d in zip(outs, rounds_to)
+        ]
+
+    if eqn.primitive.name in _LINEAR | _CHOOSERS and all(
+        _is_low(dtype_of(a)) for a, b in zip(args, is_low) if b
+    ):  # the forward pass as it is; only the derivative at float32
+        primal = lambda *xs: _compat.bind(eqn, *xs)  # noqa: E731
+        if eqn.primitive.name in _CHOOSERS:
+            chooser = _chooser_float32_tangent(lambda x: primal(x)[0], eqn.params["axes"])
+            return [chooser(*args)]
+        return list(_float32_tangent(primal, compute)(*args))
+    if eqn.primitive.name in _KEEP_OPERAND:
+        return list(jax.checkpoint(compute, prevent_cse=False)(*args))
+    return compute(*args)
+
+
+# Primitives of `policy.SUMMED_BY_AUTODIFF` that are linear in their floating
+# inputs. On 16-bit values they run as they are, and only their derivative runs
+# at float32 (`_float32_tangent`): no convert in the forward pass.
+_LINEAR = frozenset({"broadcast_in_dim", "tile", "gather", "pad", "all_gather", "pvary"})
+
+
+_CHOOSERS = frozenset({"reduce_max", "reduce_min"})
+
+
+def _chooser_float32_tangent(primal, axes):
+    """reduce_max or reduce_min as it is, with JAX's JVP (the tangents at the
+    maxima, averaged over ties) taken at float32: the ties are counted, and the
+    tangents summed, in float32. The backward pass keeps which entries are
+    maxima, as booleans."""
+    fun = jax.custom_jvp(primal)
+
+    @fun.defjvp
+    def jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        out = fun(x)
+        shape = [1 if i in axes else d for i, d in enumerate(np.shape(x))]
+        chosen = jax.lax.eq(x, jax.lax.reshape(out, shape))
+        counts = jax.lax.reduce_sum(convert(chosen, F32, False), tuple(axes))
+        t = convert(t, F32, False)
+        picked = jax.lax.select(chosen, t, jnp.zeros_like(t))
+        total = jax.lax.reduce_sum(picked, tuple(axes))
+        return out, convert(total / counts, dtype_of(out), False)
+
+    return fun
+
+
+def _float32_tangent(primal, tangent):
+    """`primal`, linear in its floating arguments, whose JVP is `tangent` (the
+    same function, at float32, its results rounded): its transpose, the sum JAX
+    makes of it, is float32. Integer arguments (indices) reach `tangent` as
+    they are."""
+    fun = jax.custom_jvp(lambda *xs: list(primal(*xs)))
+
+    @fun.defjvp
+    def jvp(primals, tangents):
+        ts = [t if policy.is_castable(dtype_of(p)) else p for p, t in zip(primals, tangents)]
+        return fun(*primals), list(tangent(*ts))
+
+    return fun
+
+
+def _derivatives_sum_nothing(eqn, vals, weak) -> bool:
+    """A broadcast that only adds axes of size 1, a pad with a constant padding
+    value: their transposes sum nothing."""
+    if eqn.primitive.name == "broadcast_in_dim":
+        return np.size(vals[0]) == np.prod(eqn.outvars[0].aval.shape, dtype=int)
+    if eqn.primitive.name == "pad":  # only the padding value's cotangent is a sum
+        return weak[1] or isinstance(vals[1], (np.ndarray, np.generic))
+    return False
+
+
+def _is_low(dtype) -> bool:
+    return policy.is_castable(dtype) and np.dtype(dtype) in policy.LOW_DTYPES
+
+
+def _broadcast_in_float32(ctx, eqn, vals, targets, weak):
+    """An elementwise primitive whose 16-bit operand it would broadcast
+    implicitly: that operand is broadcast explicitly at float32 first, then
+    rounded (the same values), and the primitive bound. None if there is none.
+
+    The transpose of an implicit broadcast sums the cotangent in the operand's
+    dtype; that of `lax.broadcast_in_dim` at float32 sums in float32. A float32
+    value that the policy rounds (a bias, lean policy) is broadcast before it is
+    rounded. Constants (literals, values computed from literals alone) have no
+    cotangent and are left alone. Unless the primitive is linear (add, sub), it
+    is rematerialized with the broadcast, so that the backward pass keeps its
+    operands, not the broadcast one.
+    """
+    shape = eqn.outvars[0].aval.shape
+    widen = {}  # operand index -> the 16-bit dtype it is broadcast to
+    for i, (x, t, w) in enumerate(zip(vals, targets, weak)):
+        runs_in = t if t is not None else dtype_of(x)
+        literal = isinstance(x, (np.ndarray, np.generic))
+        if not (w or literal or np.shape(x) == shape) and _is_low(runs_in):
+            widen[i] = np.dtype(runs_in)
+    if not widen:
+        return None
+    args = [
+        x if i in widen or t is None else ctx.scope.cast(x, t, w)
+        for i, (x, t, w) in enumerate(zip(vals, targets, weak))
+    ]
+
+    def compute(*xs):
+        xs = list(xs)
+        for i, low in widen.items():
+            dims = tuple(range(np.ndim(xs[i])))
+
+            def primal(v, low=low, dims=dims):  # rounded, then broadcast
+                return [jax.lax.broadcast_in_dim(convert(v, low, False), shape, dims)]
+
+            def tangent(t, low=low, dims=dims):  # broadcast at float32, then rounded
+                t = jax.lax.broadcast_in_dim(convert(t, F32, False), shape, dims)
+                return [convert(t, low, False)]
+
+            (xs[i],) = _float32_tangent(primal, tangent)(xs[i])
+        return _compat.bind(eqn, *xs)
+
+    if eqn.primitive.name not in ("add", "sub"):
+        compute = jax.checkpoint(compute, prevent_cse=False)
+    return list(compute(*args))
 
 
 def _float32_inside(ctx, eqn, vals, low):

@@ -90,7 +90,7 @@ WIDEST = _table(Rule.WIDEST, [
 # single operand, and collectives (which move data, not precision).
 AS_RECEIVED = _table(Rule.AS_RECEIVED, [
     # layout and indexing
-    "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "rev",
+    "reshape", "broadcast_in_dim", "tile", "squeeze", "expand_dims", "transpose", "rev",
     "slice", "dynamic_slice", "gather", "copy", "copy_p", "split",
     "sharding_constraint", "device_put", "mesh_cast", "reshard", "pvary",
     "optimization_barrier", "stop_gradient", "reduce_precision", "iota",
@@ -122,6 +122,48 @@ POLICY: dict[str, Rule] = {**LOW_PRECISION, **FLOAT32, **WIDEST, **AS_RECEIVED}
 # off for the bandwidth. Convolutions are left out: GPUs have no convolution from
 # 16-bit operands to a float32 result, so its transpose would run in float32.
 FLOAT32_ACCUMULATOR = frozenset({"dot_general"})
+
+# Sums are float32, forward and backward. The FLOAT32 table covers the reductions
+# a program writes; these are the 16-bit sums it does not write. JAX builds sums
+# into the derivatives of primitives that do no arithmetic themselves: the
+# transpose of a broadcast is a reduce_sum, of a gather a scatter-add, of an
+# all_gather a psum_scatter; the JVP of reduce_max counts its ties with a
+# reduce_sum, that of a max-pool transposes to select_and_scatter_add. And a few
+# primitives sum in their forward pass yet hand on the dtype they receive. When
+# the policy runs one of these on 16-bit values, it runs at float32 instead, on
+# the same values, and its result is rounded back (`first_order._float32_sums`).
+# The forward value is unchanged, bit for bit, where the primitive does no
+# arithmetic, and JAX differentiates it at float32: the cotangent is upcast,
+# summed in float32 and rounded once. XLA fuses the converts.
+# fmt: off
+SUMMED_BY_AUTODIFF = frozenset({
+    "broadcast_in_dim", "tile", "pad", "gather", "scatter", "scatter-max", "scatter-min",
+    "reduce_max", "reduce_min", "reduce_window_max", "reduce_window_min",
+    "select_and_gather_add", "sort", "top_k", "approx_top_k",
+    "all_gather", "pvary", "pbroadcast",
+})
+SUMMING = frozenset({
+    "scatter-add", "scatter_add", "scatter-mul", "select_and_scatter_add",
+    "psum", "psum_invariant", "psum_scatter", "reduce_scatter",
+})
+FLOAT32_SUMS = SUMMED_BY_AUTODIFF | SUMMING
+"""Primitives run at float32 when the policy would run them on 16-bit values."""
+
+# The collectives among them sum across devices. ``autocast(..., reduce_dtype=dtype)``
+# asks for those all-reduces in 16 bits, for the bandwidth: they then run as received.
+COLLECTIVE_SUMS = frozenset({
+    "all_gather", "pvary", "pbroadcast", "psum", "psum_invariant", "psum_scatter",
+    "reduce_scatter",
+})
+
+# Elementwise primitives broadcast a size-1 or scalar operand implicitly, and
+# their transpose sums its cotangent back to its shape, in its dtype. A 16-bit
+# operand that a sum would be made for is broadcast explicitly at float32 first
+# (`first_order._broadcast_in_float32`), so that sum is float32.
+IMPLICIT_BROADCAST = frozenset({
+    "add", "sub", "mul", "div", "rem", "max", "min", "atan2", "nextafter",
+})
+# fmt: on
 
 # The memory-lean policy changes these rules. An embedding lookup gathers from a
 # low-precision table, so the activations it starts are low precision.

@@ -7,12 +7,19 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from mpjax import _compat, policy  # noqa: E402
 from mpjax.policy import Rule  # noqa: E402
+
+# JAX's guard against 16-bit sums, for the whole suite: a reduce_sum of float16 or
+# bfloat16 values is an error while tracing. Programs autocast makes, and their
+# derivatives, have none (tests/test_float32_sums.py); a test that builds one
+# outside autocast on purpose lifts the guard with `jax.allow_f16_reductions(True)`.
+jax.config.update("jax_allow_f16_reductions", False)
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 LOW_DTYPES = [jnp.float16, jnp.bfloat16]
