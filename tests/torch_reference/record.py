@@ -5,9 +5,9 @@ recorded with torch 2.13.0+cpu) and numpy, in a scratch environment: mpjax and
 jax are not needed, and the test suite never imports torch, it only reads the
 JSON written here::
 
-    python3 -m venv /tmp/torchenv
-    /tmp/torchenv/bin/pip install numpy torch-2.13.0+cpu-...-linux_x86_64.whl
-    /tmp/torchenv/bin/python tests/torch_reference/record.py
+    python3 -m venv torch-env
+    torch-env/bin/pip install numpy torch-2.13.0+cpu-...-linux_x86_64.whl
+    torch-env/bin/python tests/torch_reference/record.py
 
 The output, ``scaler_sequences.json`` next to this file, is reproducible: every
 sequence draws its numbers from ``numpy.random.default_rng`` seeded with its
