@@ -78,7 +78,14 @@ def test_reduction_counter_sees_16bit_sums():
         return total.astype(jnp.float32) + jnp.sum(x)  # jnp.sum of float32: not counted
 
     x = jnp.ones((4, 3))
-    forward = harness.count_16bit_reductions(jax.make_jaxpr(jax.jit(f))(x))  # in a sub-jaxpr
+    # The suite refuses 16-bit reductions (tests/conftest.py); this program, not an
+    # autocast one, builds them on purpose to check that the counter sees them.
+    allowed = jax.config.jax_allow_f16_reductions
+    jax.config.update("jax_allow_f16_reductions", True)
+    try:
+        forward = harness.count_16bit_reductions(jax.make_jaxpr(jax.jit(f))(x))  # sub-jaxpr
+        backward = harness.count_16bit_reductions(jax.make_jaxpr(jax.grad(f))(x))
+    finally:
+        jax.config.update("jax_allow_f16_reductions", allowed)
     assert forward == {"cumsum": 1, "reduce_sum": 1}, forward
-    backward = harness.count_16bit_reductions(jax.make_jaxpr(jax.grad(f))(x))
     assert backward.get("cumsum") == 2, backward  # forward and transposed cumsum
