@@ -37,13 +37,7 @@ def grad_scaler_config(
     init_scale = check_number(
         name, "init_scale", init_scale, "a finite number > 0", lambda v: 0 < v < math.inf
     )
-    with np.errstate(over="ignore"):
-        overflows = not np.isfinite(np.float32(init_scale))
-    if overflows:
-        raise ValueError(
-            f"{name}: init_scale={init_scale!r} overflows float32; "
-            f"it must be at most {float(np.finfo(np.float32).max)!r}."
-        )
+    check_fits_float32(name, "init_scale", init_scale)
     growth_factor = check_number(
         name, "growth_factor", growth_factor, "a finite number > 1", lambda v: 1 < v < math.inf
     )
@@ -125,14 +119,19 @@ def check_static_scale(scale) -> float:
         "a finite float32 number >= 2**-126 (a normal float32)",
         lambda v: MIN_NORMAL_F32 <= v < math.inf,
     )
+    check_fits_float32(name, "scale", scale)
+    return scale
+
+
+def check_fits_float32(fn: str, name: str, value: float) -> None:
+    """Refuses a finite `value` that overflows to inf as a float32."""
     with np.errstate(over="ignore"):
-        overflows = not np.isfinite(np.float32(scale))
+        overflows = not np.isfinite(np.float32(value))
     if overflows:
         raise ValueError(
-            f"{name}: scale={scale!r} overflows float32; it must be at "
-            f"most {float(np.finfo(np.float32).max)!r}."
+            f"{fn}: {name}={value!r} overflows float32; it must be at most "
+            f"{float(np.finfo(np.float32).max)!r}."
         )
-    return scale
 
 
 def check_number(fn: str, name: str, value, valid: str, ok) -> float:
