@@ -154,24 +154,31 @@ def _sums_in_float32(region, name) -> bool:
     )
 
 
-# Primitives of `policy.FLOAT32_SUMS` whose derivatives keep a function of their
-# operand (the operand of a max-pool): run at float32
-# inside a `jax.checkpoint`, so that the backward pass keeps the 16-bit operand
-# rather than a float32 copy of it.
+# How the primitives of `policy.SUMMED_BY_AUTODIFF` get float32 derivatives.
+# Those linear in their floating inputs run on 16-bit values as they are, with a
+# custom JVP at float32 (`_float32_tangent`): no convert in the forward pass.
+_LINEAR = frozenset({"broadcast_in_dim", "tile", "gather", "pad", "all_gather", "pvary"})
+# reduce_max and reduce_min too, with JAX's JVP rule taken at float32.
+_CHOOSERS = frozenset({"reduce_max", "reduce_min"})
+# The others run at float32 and round back; these keep a function of their operand
+# for the backward pass (a max-pool's), so they run inside a `jax.checkpoint`,
+# which keeps the 16-bit operand rather than a float32 copy.
 _KEEP_OPERAND = frozenset({"reduce_window_max", "reduce_window_min", "select_and_gather_add"})
 
 
 def _float32_sums(eqn, vals, targets, ctx, weak):
     """A primitive of `policy.FLOAT32_SUMS` that the policy would run on 16-bit
-    values, run at float32 on the same values, its results rounded back.
+    values: its sums, forward or in its derivatives, made in float32.
 
     Each floating input runs in its target dtype (its own if none). If any of
-    those is 16-bit, the 16-bit inputs are upcast, exactly; a float32 value that
-    the policy would round to 16 bits (an embedding table, lean policy) is used as
-    it is where the primitive does no arithmetic, since rounding commutes with
-    moving values: the table's gradient then stays float32 all the way. The
-    results that would have been 16-bit are rounded to that dtype. Returns None
-    when nothing runs in 16 bits.
+    those is 16-bit, the primitive runs at float32 on the same values (the
+    16-bit inputs upcast, exactly) and the results that would have been 16-bit
+    are rounded to that dtype. A float32 value that the policy would round to 16
+    bits (an embedding table, lean policy) is used as it is where the primitive
+    does no arithmetic, since rounding commutes with moving values: the table's
+    gradient then stays float32 all the way. Linear primitives and
+    reduce_max/min on 16-bit values run as they are, with a float32 JVP.
+    Returns None when nothing runs in 16 bits, or no sum would be made.
     """
     runs_in = [t if t is not None else dtype_of(x) for x, t in zip(vals, targets)]
     is_low = [_is_low(d) for d in runs_in]
@@ -215,15 +222,6 @@ def _float32_sums(eqn, vals, targets, ctx, weak):
     return compute(*args)
 
 
-# Primitives of `policy.SUMMED_BY_AUTODIFF` that are linear in their floating
-# inputs. On 16-bit values they run as they are, and only their derivative runs
-# at float32 (`_float32_tangent`): no convert in the forward pass.
-_LINEAR = frozenset({"broadcast_in_dim", "tile", "gather", "pad", "all_gather", "pvary"})
-
-
-_CHOOSERS = frozenset({"reduce_max", "reduce_min"})
-
-
 def _chooser_float32_tangent(primal, axes):
     """reduce_max or reduce_min as it is, with JAX's JVP (the tangents at the
     maxima, averaged over ties) taken at float32: the ties are counted, and the
@@ -262,8 +260,15 @@ def _float32_tangent(primal, tangent):
 
 
 def _derivatives_sum_nothing(eqn, vals, weak) -> bool:
-    """A broadcast that only adds axes of size 1, a pad with a constant padding
-    value: their transposes sum nothing."""
+    """Constants (literals, values computed from literals alone), a broadcast
+    that only adds axes of size 1, a pad with a constant padding value: their
+    derivatives sum nothing."""
+    if eqn.primitive.name in policy.SUMMED_BY_AUTODIFF and all(
+        w or isinstance(x, (np.ndarray, np.generic))
+        for x, w in zip(vals, weak)
+        if policy.is_castable(dtype_of(x))
+    ):
+        return True
     if eqn.primitive.name == "broadcast_in_dim":
         return np.size(vals[0]) == np.prod(eqn.outvars[0].aval.shape, dtype=int)
     if eqn.primitive.name == "pad":  # only the padding value's cotangent is a sum
@@ -277,16 +282,16 @@ def _is_low(dtype) -> bool:
 
 def _broadcast_in_float32(ctx, eqn, vals, targets, weak):
     """An elementwise primitive whose 16-bit operand it would broadcast
-    implicitly: that operand is broadcast explicitly at float32 first, then
-    rounded (the same values), and the primitive bound. None if there is none.
+    implicitly: that operand is broadcast explicitly, with its tangent broadcast
+    at float32 (`_float32_tangent`), and the primitive bound. None if there is none.
 
     The transpose of an implicit broadcast sums the cotangent in the operand's
-    dtype; that of `lax.broadcast_in_dim` at float32 sums in float32. A float32
-    value that the policy rounds (a bias, lean policy) is broadcast before it is
-    rounded. Constants (literals, values computed from literals alone) have no
-    cotangent and are left alone. Unless the primitive is linear (add, sub), it
-    is rematerialized with the broadcast, so that the backward pass keeps its
-    operands, not the broadcast one.
+    dtype; that of a broadcast of a float32 tangent sums in float32. A float32
+    value that the policy rounds (a bias, lean policy) is rounded while small,
+    and its gradient stays float32. Constants (literals, values computed from
+    literals alone) have no cotangent and are left alone. Unless the primitive
+    is linear (add, sub), it is rematerialized with the broadcast, so that the
+    backward pass keeps its operands, not the broadcast one.
     """
     shape = eqn.outvars[0].aval.shape
     widen = {}  # operand index -> the 16-bit dtype it is broadcast to
