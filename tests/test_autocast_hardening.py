@@ -381,3 +381,21 @@ def test_stack_runs_in_the_widest_input(low):
     for got, ref in zip(mpjax.autocast(f, dtype=low)(x, w, b), f(x, w, b)):
         assert got.dtype == F32
         np.testing.assert_allclose(got, ref, rtol=rel_tol(low), atol=rel_tol(low))
+
+
+# --- re-bound primitives under grad ----------------------------------------------
+
+
+def test_grad_of_autocast_leaves_no_calls_of_its_own():
+    # Under grad, autocast binds each primitive through an inlined jit (so JAX
+    # linearizes each distinct one once); nothing of it may stay in the program.
+    def f(w, x):
+        for _ in range(3):
+            x = jnp.tanh(jax.lax.dot(x, w)) * 0.5
+        return jnp.sum(x * x)
+
+    x, w = jax.random.normal(jax.random.key(0), (4, 8)), 0.3 * jnp.eye(8)
+    jaxpr = jax.make_jaxpr(jax.grad(mpjax.autocast(f)))(w, x)
+    assert not [e for e in all_eqns(jaxpr) if e.primitive.name in ("jit", "pjit")]
+    grads = jax.jit(jax.grad(mpjax.autocast(f)))(w, x)
+    np.testing.assert_allclose(grads, jax.grad(f)(w, x), rtol=2e-2, atol=2e-3)

@@ -126,3 +126,11 @@ def test_stablehlo_parser_counts_float32_values_as_float32():
 """
     cov = stablehlo.coverage(text)
     assert cov.matmul_flops == 2 * 2 * 4 * 3 and cov.low_precision_flops == 0
+
+
+def test_trace_overhead_script_runs():
+    trace_overhead = importlib.import_module("benchmarks.trace_overhead")
+    out = trace_overhead.main(["--layers", "2", "--width", "8", "--repeats", "1", "--depth", "2"])
+    assert set(out["nested"]) == {1, 2}
+    assert set(out["mlp"]) == {"plain", "autocast"}
+    assert all(t >= 0 for m in out["mlp"].values() for t in m.values())
