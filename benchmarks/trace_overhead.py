@@ -1,7 +1,8 @@
 """What autocast adds to the time JAX takes to trace and lower a program.
 
 Two measurements, each against plain JAX in the same process (interleaved
-repeats, medians; see `benchmarks.timing.interleaved`):
+repeats, medians; see `benchmarks.timing.interleaved`), in CPU time of this
+process, which a shared machine disturbs less than wall time:
 
 * a jitted gradient step of a deep MLP (`--layers`, 200 by default): seconds to
   ``jax.jit(jax.grad(f)).trace(...)`` and to ``.lower()`` it, and their ratios;
@@ -35,31 +36,28 @@ def mlp_loss(params, x, y):
 
 def mlp_args(layers: int, width: int, batch: int = 32):
     keys = jax.random.split(jax.random.key(0), layers)
-    params = [
-        (jax.random.normal(k, (width, width)) / width**0.5, jnp.zeros(width)) for k in keys
-    ]
+    params = [(jax.random.normal(k, (width, width)) / width**0.5, jnp.zeros(width)) for k in keys]
     x = jax.random.normal(jax.random.key(1), (batch, width))
     return params, x, jnp.zeros((batch, width))
 
 
 def grad_step_times(wrap, args) -> dict[str, float]:
     """Seconds to trace and lower ``jit(grad(wrap(loss)))``, from a fresh function."""
-    loss = lambda *a: mlp_loss(*a)  # noqa: E731  (a new function: no trace cache hit)
-    step = jax.jit(jax.grad(wrap(loss)))
+    # A new function each time: no trace cache hit.
+    step = jax.jit(jax.grad(wrap(lambda *a: mlp_loss(*a))))
     t0 = time.process_time()
     traced = step.trace(*args)
     t1 = time.process_time()
     traced.lower()
     t2 = time.process_time()
-    return dict(trace=t1 - t0, lower=t2 - t1, total=t2 - t0)
+    return {"trace": t1 - t0, "lower": t2 - t1, "total": t2 - t0}
 
 
 def nested_scans(depth: int):
     def level(c, x, d):
         if d == 0:
             return jnp.tanh(c @ x)
-        inner = lambda c2, x2: (level(c2, x2, d - 1), None)  # noqa: E731
-        return lax.scan(inner, c, jnp.stack([x, x]))[0]
+        return lax.scan(lambda c2, x2: (level(c2, x2, d - 1), None), c, jnp.stack([x, x]))[0]
 
     return lambda c, xs: lax.scan(lambda c, x: (level(c, x, depth - 1), None), c, xs)[0].sum()
 
@@ -68,7 +66,7 @@ def nested_trace_ms(wrap, depth: int) -> dict[str, float]:
     c, xs = jnp.ones((4, 4)), jnp.ones((2, 4, 4))
     t0 = time.process_time()
     jax.make_jaxpr(wrap(nested_scans(depth)))(c, xs)
-    return dict(trace=1e3 * (time.process_time() - t0))
+    return {"trace": 1e3 * (time.process_time() - t0)}
 
 
 CONTENDERS = {"plain": lambda f: f, "autocast": mpjax.autocast}

@@ -80,7 +80,7 @@ def inline_jit(fun):
     return jax.jit(fun, inline=True if inline is None else inline.JAX_EARLY)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _converter(dtype):
     return inline_jit(lambda x: jax.lax.convert_element_type(x, dtype))
 

@@ -234,8 +234,9 @@ def _nested(depth, kind):
         if d == 0:
             return jnp.tanh(c)
         if kind == "scan":
-            body = lambda c, x: (loop(c * x, d - 1), None)  # noqa: E731
-            return jax.lax.scan(body, c, jnp.ones((2, *c.shape)))[0]
+            return jax.lax.scan(
+                lambda c, x: (loop(c * x, d - 1), None), c, jnp.ones((2, *c.shape))
+            )[0]
         if kind == "while":
             return jax.lax.while_loop(lambda c: c.sum() < 0, lambda c: loop(c, d - 1), c)
         return jax.lax.cond(c.sum() > 0, lambda c: loop(c, d - 1), lambda c: c, c)
@@ -312,7 +313,7 @@ def test_loops_inside_shard_map_mix_replicated_and_sharded_values():
         return jax.lax.psum(c.sum() + ys.sum(), "data")
 
     def run(wrap):
-        specs = dict(mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+        specs = {"mesh": mesh, "in_specs": (P(), P("data")), "out_specs": P()}
         return jax.jit(jax.shard_map(lambda w, x: wrap(local)(w, x), **specs))
 
     w = 0.5 * jnp.eye(4) + 0.1
