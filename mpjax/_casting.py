@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mpjax import _compat
+
 F32 = np.dtype(jnp.float32)
 
 
@@ -33,4 +35,4 @@ def convert(x, dtype: np.dtype, saturate: bool):
         return lax.select(lax.is_finite(x), clamped, lax.convert_element_type(x, dtype))
     if numpy_value:
         return np.asarray(x).astype(dtype)
-    return lax.convert_element_type(x, dtype)
+    return _compat.convert_element_type(x, dtype)

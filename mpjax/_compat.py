@@ -7,6 +7,7 @@ move between JAX releases; each difference is absorbed here, nowhere else.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import jax
@@ -31,8 +32,64 @@ def jaxpr_and_consts(jaxpr):
 def bind(eqn, *args, **param_updates):
     """Re-binds `eqn`'s primitive on new arguments; always returns a list."""
     params = {**eqn.params, **param_updates}
-    out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(params))
+    if any(_transformed(x) for x in args):
+        out = _bound(eqn, params)(*args)
+    else:
+        out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(params))
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _transformed(x) -> bool:
+    """Whether `x` is seen by a transformation (grad, jvp, vmap), not only staged
+    out by jit or make_jaxpr."""
+    return isinstance(x, jax.core.Tracer) and type(x).__name__ != "DynamicJaxprTracer"
+
+
+def _bound(eqn, params):
+    """``primitive.bind(*args, **params)`` as a function of `args`, for a bind
+    that a transformation sees.
+
+    A jit of the bind, inlined where it is traced, for a primitive whose params
+    can be a cache key. Under `grad`, JAX linearizes a bare bind anew at every
+    equation; a jit's linearization it caches per input types, so the repeated
+    layers of a model are linearized once, as JAX's own `jnp` functions are.
+    Where only jit traces the bind, a bare bind is cheaper.
+    """
+    primitive = eqn.primitive
+    try:
+        key = tuple(sorted(params.items()))
+        hash(key)
+    except TypeError:  # an unhashable param (a numpy array): bind it as it is
+        key = None
+    if key is None or eqn.effects or sub_jaxprs(params):
+        bind_params = primitive.get_bind_params(params)
+        return lambda *args: primitive.bind(*args, **bind_params)
+    return _inline_jit_of_bind(primitive, key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _inline_jit_of_bind(primitive, params_key):
+    bind_params = primitive.get_bind_params(dict(params_key))
+    return inline_jit(lambda *args: primitive.bind(*args, **bind_params))
+
+
+def inline_jit(fun):
+    """`jax.jit(fun)` inlined into the program that calls it: no `jit` equation
+    is left, but JAX caches its trace and its derivatives."""
+    inline = getattr(jax, "Inline", None)  # jax 0.12: jit(inline=True) keeps the call
+    return jax.jit(fun, inline=True if inline is None else inline.JAX_EARLY)
+
+
+@functools.cache
+def _converter(dtype):
+    return inline_jit(lambda x: jax.lax.convert_element_type(x, dtype))
+
+
+def convert_element_type(x, dtype):
+    """``lax.convert_element_type(x, dtype)``, cached under `grad` as `bind` is."""
+    if _transformed(x):
+        return _converter(dtype)(x)
+    return jax.lax.convert_element_type(x, dtype)
 
 
 @contextlib.contextmanager

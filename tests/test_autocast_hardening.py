@@ -234,8 +234,9 @@ def _nested(depth, kind):
         if d == 0:
             return jnp.tanh(c)
         if kind == "scan":
-            body = lambda c, x: (loop(c * x, d - 1), None)  # noqa: E731
-            return jax.lax.scan(body, c, jnp.ones((2, *c.shape)))[0]
+            return jax.lax.scan(
+                lambda c, x: (loop(c * x, d - 1), None), c, jnp.ones((2, *c.shape))
+            )[0]
         if kind == "while":
             return jax.lax.while_loop(lambda c: c.sum() < 0, lambda c: loop(c, d - 1), c)
         return jax.lax.cond(c.sum() > 0, lambda c: loop(c, d - 1), lambda c: c, c)
@@ -312,7 +313,7 @@ def test_loops_inside_shard_map_mix_replicated_and_sharded_values():
         return jax.lax.psum(c.sum() + ys.sum(), "data")
 
     def run(wrap):
-        specs = dict(mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+        specs = {"mesh": mesh, "in_specs": (P(), P("data")), "out_specs": P()}
         return jax.jit(jax.shard_map(lambda w, x: wrap(local)(w, x), **specs))
 
     w = 0.5 * jnp.eye(4) + 0.1
@@ -381,3 +382,21 @@ def test_stack_runs_in_the_widest_input(low):
     for got, ref in zip(mpjax.autocast(f, dtype=low)(x, w, b), f(x, w, b)):
         assert got.dtype == F32
         np.testing.assert_allclose(got, ref, rtol=rel_tol(low), atol=rel_tol(low))
+
+
+# --- re-bound primitives under grad ----------------------------------------------
+
+
+def test_grad_of_autocast_leaves_no_calls_of_its_own():
+    # Under grad, autocast binds each primitive through an inlined jit (so JAX
+    # linearizes each distinct one once); nothing of it may stay in the program.
+    def f(w, x):
+        for _ in range(3):
+            x = jnp.tanh(jax.lax.dot(x, w)) * 0.5
+        return jnp.sum(x * x)
+
+    x, w = jax.random.normal(jax.random.key(0), (4, 8)), 0.3 * jnp.eye(8)
+    jaxpr = jax.make_jaxpr(jax.grad(mpjax.autocast(f)))(w, x)
+    assert not [e for e in all_eqns(jaxpr) if e.primitive.name in ("jit", "pjit")]
+    grads = jax.jit(jax.grad(mpjax.autocast(f)))(w, x)
+    np.testing.assert_allclose(grads, jax.grad(f)(w, x), rtol=2e-2, atol=2e-3)

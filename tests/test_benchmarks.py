@@ -142,3 +142,11 @@ def test_scaler_benchmark_runs_and_reports_ratios(capsys):
     assert "| 3 |" in out and "| 3e+03 |" in out
     ratios = [float(line.rsplit("|", 2)[-2]) for line in out.splitlines() if line.startswith("| 3")]
     assert len(ratios) == 2 and all(r > 0 for r in ratios)
+
+
+def test_trace_overhead_script_runs():
+    trace_overhead = importlib.import_module("benchmarks.trace_overhead")
+    out = trace_overhead.main(["--layers", "2", "--width", "8", "--repeats", "1", "--depth", "2"])
+    assert set(out["nested"]) == {1, 2}
+    assert set(out["mlp"]) == {"plain", "autocast"}
+    assert all(t >= 0 for m in out["mlp"].values() for t in m.values())
