@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpjax import _compat
+from mpjax import fusions
 from mpjax import policy
 from mpjax._casting import F32, convert, dtype_of
 from mpjax.policy import Rule
@@ -81,6 +82,12 @@ def policy_rule(ctx, eqn, vals, weak):
     if lean and rule is Rule.FLOAT32 and any(dtype_of(x) in policy.LOW_DTYPES for x in vals):
         return _float32_inside(ctx, eqn, vals, low)
     targets = _targets(rule, eqn, vals, weak, low, lean)
+    if low is not None and not lean and id(eqn) in ctx.bias_adds:
+        outs = fusions.bias_add(ctx, eqn, vals, weak)
+        if outs is not None:
+            return outs
+        if fusions.joins_product(eqn, vals, weak, low):
+            targets = [low if t is not None else None for t in targets]
     if low is not None and _sums_in_float32(ctx.region, eqn.primitive.name):
         outs = _float32_sums(eqn, vals, targets, ctx, weak)
         if outs is not None:
@@ -94,8 +101,8 @@ def policy_rule(ctx, eqn, vals, weak):
     if rule is Rule.LOW:
         if _explicit_result_type(eqn):
             return _compat.bind(eqn, *args)
-        if _float32_accumulator(ctx.region, eqn, vals):
-            return _low_product_float32_accumulator(eqn, args, low)
+        if _float32_accumulator(ctx, eqn, vals):
+            return _low_product_float32_accumulator(ctx, eqn, args, low)
         preferred = eqn.params.get("preferred_element_type")
         if preferred is not None and policy.is_castable(preferred):
             updates["preferred_element_type"] = low
@@ -118,17 +125,19 @@ def _explicit_result_type(eqn) -> bool:
     return np.dtype(preferred) != default
 
 
-def _float32_accumulator(region, eqn, vals) -> bool:
+def _float32_accumulator(ctx, eqn, vals) -> bool:
     """Whether a low-precision product keeps a float32 result: one of its inputs
-    is float32 (a weight), so its transpose is a float32 gradient."""
+    is a float32 argument (a weight), so its transpose is a float32 gradient.
+    A float32 activation (attention probabilities) gets no float32 result: its
+    cotangent is 16-bit, as the product's other operand's is."""
     return (
-        not region.reduce_low
+        not ctx.region.reduce_low
         and eqn.primitive.name in policy.FLOAT32_ACCUMULATOR
-        and any(dtype_of(x) == F32 for x in vals)
+        and any(dtype_of(x) == F32 and v in ctx.arguments for x, v in zip(vals, eqn.invars))
     )
 
 
-def _low_product_float32_accumulator(eqn, args, low):
+def _low_product_float32_accumulator(ctx, eqn, args, low):
     """The product of low-precision `args` with a float32 result, rounded to `low`.
 
     The forward value is what a low-precision product gives (16-bit operands,
@@ -142,7 +151,10 @@ def _low_product_float32_accumulator(eqn, args, low):
     algorithm = _compat.low_precision_dot_algorithm(low)
     if algorithm is not None and _compat.is_default_precision(eqn.params.get("precision")):
         updates["precision"] = algorithm
-    return [convert(o, low, False) for o in _compat.bind(eqn, *args, **updates)]
+    (accumulator,) = _compat.bind(eqn, *args, **updates)
+    rounded = convert(accumulator, low, False)
+    ctx.scope.keep_accumulator(rounded, accumulator)  # for a bias added next
+    return [rounded]
 
 
 def _sums_in_float32(region, name) -> bool:

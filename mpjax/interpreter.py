@@ -27,6 +27,7 @@ import numpy as np
 
 from mpjax import _compat
 from mpjax import first_order
+from mpjax import fusions
 from mpjax._casting import convert, dtype_of
 
 _MARKER = "mpjax_autocast_"
@@ -72,6 +73,16 @@ class Scope:
         self._casts: dict[tuple[int, np.dtype], tuple[Any, Any]] = {}
         self._invariant = {id(v) for v in invariant}
         self.requests: list[tuple[Any, np.dtype, bool]] = []
+        self._accumulators: dict[int, tuple[Any, Any]] = {}
+
+    def keep_accumulator(self, rounded, accumulator) -> None:
+        """Records the float32 accumulator a 16-bit product was rounded from."""
+        self._accumulators[id(rounded)] = (rounded, accumulator)
+
+    def accumulator(self, rounded):
+        """The float32 accumulator `rounded` came from in this scope, or None."""
+        entry = self._accumulators.get(id(rounded))
+        return None if entry is None else entry[1]
 
     def seed(self, x, dtype, cast_x) -> None:
         self._casts[(id(x), np.dtype(dtype))] = (x, cast_x)
@@ -100,6 +111,10 @@ class Context(NamedTuple):
     scope: Scope
     float32_only: frozenset = frozenset()
     """Lean policy: the variables read only by float32-list primitives."""
+    bias_adds: frozenset = frozenset()
+    """ids of the equations adding a bias to a product (`mpjax.fusions`)."""
+    arguments: frozenset = frozenset()
+    """The variables holding the jaxpr's arguments (parameters), `mpjax.fusions`."""
     memo: dict | None = None
     """What rules solved by probing a body (a loop's carry dtypes and hoisted
     casts, a cond's output dtypes), for the whole autocast call: see `solved`."""
@@ -165,25 +180,57 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
         env[v] = (a, w)
     if ctx.region.lean:
         ctx = ctx._replace(float32_only=first_order.float32_only_consumers(jaxpr))
-    for eqn in jaxpr.eqns:
-        vals, weaks = zip(*map(read, eqn.invars)) if eqn.invars else ((), ())
-        eqn_ctx = ctx._replace(region=region_of(eqn, ctx.region))
-        rule = HIGHER_ORDER.get(eqn.primitive.name, first_order.policy_rule)
-        try:
+    fused = fusions.find(jaxpr) if jaxpr.eqns else fusions.NONE
+    ctx = ctx._replace(bias_adds=fused.bias_adds, arguments=fused.arguments)
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i in fused.deferred:
+            continue  # evaluated with the pointwise function it belongs to
+        chain = fused.chains.get(i)
+        if chain is not None and _fuses(ctx, chain, jaxpr.eqns, env):
+            source, source_weak = env[chain.source]
             with _compat.equation_context(eqn):
-                outs = rule(eqn_ctx, eqn, list(vals), list(weaks))
-        except Exception as e:
-            if not getattr(e, "_mpjax_noted", False):
-                e.add_note(
-                    f"(mpjax.autocast, while evaluating `{eqn.primitive.name}` "
-                    f"from {_compat.user_frame(eqn)})"
-                )
-                e._mpjax_noted = True
-            raise
-        out_weak = all(weaks)
-        for v, o in zip(eqn.outvars, outs, strict=True):
-            env[v] = (o, out_weak)
+                env[chain.out] = (fusions.pointwise(chain, jaxpr.eqns, source), source_weak)
+            continue
+        for j in chain.eqns if chain is not None else (i,):
+            _evaluate(ctx, jaxpr.eqns[j], read, env)
     return [list(t) for t in zip(*map(read, jaxpr.outvars))] if jaxpr.outvars else ([], [])
+
+
+def _fuses(ctx: Context, chain, eqns, env) -> bool:
+    """Whether a pointwise function runs as one (`mpjax.fusions`): the default
+    policy is on for all of it and its activation arrives in 16 bits."""
+    regions = {region_of(eqns[j], ctx.region) for j in chain.eqns}
+    if len(regions) != 1:
+        return False
+    (region,) = regions
+    source, weak = env[chain.source]
+    return (
+        region.dtype is not None
+        and not region.lean
+        and not weak
+        and (dtype_of(source) == region.dtype)
+    )
+
+
+def _evaluate(ctx: Context, eqn, read, env) -> None:
+    """One equation by its rule; its outputs go into `env`."""
+    vals, weaks = zip(*map(read, eqn.invars)) if eqn.invars else ((), ())
+    eqn_ctx = ctx._replace(region=region_of(eqn, ctx.region))
+    rule = HIGHER_ORDER.get(eqn.primitive.name, first_order.policy_rule)
+    try:
+        with _compat.equation_context(eqn):
+            outs = rule(eqn_ctx, eqn, list(vals), list(weaks))
+    except Exception as e:
+        if not getattr(e, "_mpjax_noted", False):
+            e.add_note(
+                f"(mpjax.autocast, while evaluating `{eqn.primitive.name}` "
+                f"from {_compat.user_frame(eqn)})"
+            )
+            e._mpjax_noted = True
+        raise
+    out_weak = all(weaks)
+    for v, o in zip(eqn.outvars, outs, strict=True):
+        env[v] = (o, out_weak)
 
 
 def eval_closed(ctx: Context, closed, args, weak):

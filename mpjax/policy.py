@@ -165,6 +165,26 @@ IMPLICIT_BROADCAST = frozenset({
 })
 # fmt: on
 
+# Primitives that act on each element alone. A chain of them computing one value
+# from one activation (and literals) is an activation function: the default policy
+# evaluates it as torch's fused activation kernels do (`mpjax.fusions`).
+# fmt: off
+POINTWISE = frozenset({
+    "neg", "abs", "sign", "floor", "ceil", "round", "sqrt", "rsqrt", "cbrt",
+    "exp", "exp2", "expm1", "log", "log1p", "pow", "integer_pow", "square",
+    "tanh", "logistic", "sin", "cos", "tan", "atan", "sinh", "cosh", "asinh", "acosh",
+    "atanh", "erf", "erfc", "erf_inv",
+    "add", "sub", "mul", "div", "max", "min", "select_n", "is_finite",
+    "eq", "ne", "lt", "le", "gt", "ge",
+})
+# Primitives that move values without computing: a value only they lead to a
+# matrix product is rounded by the product anyway.
+LAYOUT = frozenset({
+    "reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "slice",
+    "rev", "copy", "copy_p", "sharding_constraint", "split", "concatenate",
+})
+# fmt: on
+
 # The memory-lean policy changes these rules. An embedding lookup gathers from a
 # low-precision table, so the activations it starts are low precision.
 LEAN_OVERRIDES: dict[str, Rule] = {"gather": Rule.LOW}

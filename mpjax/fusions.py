@@ -1,0 +1,227 @@
+"""Groups of equations the default policy treats as one operation, as torch does.
+
+torch's ``linear``, ``addmm`` and biased convolutions are single operations on
+its float16 list: the bias is added to the product's float32 accumulator and the
+sum rounded once, so the activation leaves the layer in 16 bits. Its activation
+functions (``gelu``, ``silu``, ...) are single kernels too: on a float16 tensor
+they compute in float32 and return float16. JAX writes both as several
+primitives, which a rule per primitive would promote to float32 (a float32 bias
+widens the product it is added to; ``x ** 3`` in a tanh-GELU is a float32-list
+power), keeping the activations after them in float32. `find` recognizes the two
+groups in a jaxpr, before it is evaluated:
+
+* a *bias add*: ``add`` of a product (``dot_general``, a convolution) and a value
+  it broadcasts (fewer elements, or a broadcast of fewer). `bias_add` adds the
+  bias to the product's float32 accumulator where the product kept one
+  (`mpjax.first_order`), and rounds once; otherwise the bias joins the product's
+  dtype.
+* a *pointwise function*: elementwise primitives computing one value from one
+  activation and literals alone, with a float32-list primitive among them, whose
+  result only matrix products read (an activation function between two layers).
+  On a 16-bit activation, `pointwise` evaluates it in float32 and rounds the
+  result once, which the product would have done anyway; it is rematerialized,
+  so the backward pass keeps the 16-bit activation rather than float32
+  intermediates.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from mpjax import _compat
+from mpjax import policy
+from mpjax._casting import F32, convert, dtype_of
+from mpjax.policy import Rule
+
+_PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
+_OUTPUT = -1  # a reader index standing for "an output of the jaxpr"
+
+
+class Chain(NamedTuple):
+    """A pointwise function of `source`: equations `eqns` (indices, in order) compute `out`."""
+
+    source: object
+    eqns: tuple[int, ...]
+    out: object
+
+
+class Fusions(NamedTuple):
+    bias_adds: frozenset = frozenset()
+    """ids of the ``add`` equations of a product and its bias."""
+    chains: dict = {}
+    """Chain by the index of its last equation."""
+    deferred: frozenset = frozenset()
+    """Indices of the other equations of the chains: evaluated with their chain."""
+    arguments: frozenset = frozenset()
+    """The jaxpr's arguments, and values only layout primitives made from one:
+    the parameters a product may read (a weight, or its transpose)."""
+
+
+NONE = Fusions()
+
+
+def _is_var(v) -> bool:
+    return not isinstance(v, _compat.Literal)
+
+
+def _size(v) -> int:
+    return int(np.prod(v.aval.shape, dtype=int))
+
+
+def find(jaxpr) -> Fusions:
+    """The bias adds and pointwise functions of `jaxpr`'s own equations."""
+    eqns = jaxpr.eqns
+    producer, readers = {}, defaultdict(list)
+    for i, eqn in enumerate(eqns):
+        producer.update((v, i) for v in eqn.outvars)
+        for v in filter(_is_var, eqn.invars):
+            readers[v].append(i)
+    for v in filter(_is_var, jaxpr.outvars):
+        readers[v].append(_OUTPUT)
+    bias_adds = frozenset(id(e) for e in eqns if _is_bias_add(e, eqns, producer))
+    chains: dict = {}
+    deferred: set = set()
+    for source, members in _pointwise_groups(eqns).items():
+        chain = _chain(source, members, eqns, readers)
+        if chain is not None:
+            chains[chain.eqns[-1]] = chain
+            deferred.update(chain.eqns[:-1])
+    return Fusions(bias_adds, chains, frozenset(deferred), _arguments(jaxpr))
+
+
+def _arguments(jaxpr) -> frozenset:
+    found = set(jaxpr.invars) | set(jaxpr.constvars)
+    for eqn in jaxpr.eqns:
+        ins = list(filter(_is_var, eqn.invars))
+        if eqn.primitive.name in policy.LAYOUT and len(ins) == 1 and ins[0] in found:
+            found.update(eqn.outvars)
+    return frozenset(found)
+
+
+def _is_bias_add(eqn, eqns, producer) -> bool:
+    if eqn.primitive.name != "add" or not all(map(_is_var, eqn.invars)):
+        return False
+    size = _size(eqn.outvars[0])
+    kinds = []
+    for v in eqn.invars:
+        made_by = eqns[producer[v]] if v in producer else None
+        if made_by is not None and made_by.primitive.name in _PRODUCTS and _size(v) == size:
+            kinds.append("product")
+        elif _size(v) < size or (
+            made_by is not None
+            and made_by.primitive.name == "broadcast_in_dim"
+            and _size(made_by.invars[0]) < size
+        ):
+            kinds.append("bias")
+        else:
+            kinds.append(None)
+    return sorted(kinds, key=str) == ["bias", "product"]
+
+
+def _pointwise_groups(eqns) -> dict:
+    """Equations by the one variable their elementwise computation started from."""
+    source: dict = {}
+    groups: dict = defaultdict(list)
+    for i, eqn in enumerate(eqns):
+        if eqn.primitive.name not in policy.POINTWISE:
+            continue
+        roots = {source.get(v, v) for v in filter(_is_var, eqn.invars)}
+        if len(roots) != 1:
+            continue
+        (root,) = roots
+        if any(v.aval.shape != root.aval.shape for v in eqn.outvars):
+            continue
+        source.update((v, root) for v in eqn.outvars)
+        groups[root].append(i)
+    return groups
+
+
+def _chain(source, members, eqns, readers) -> Chain | None:
+    """The members as one pointwise function, if they qualify (see the module doc)."""
+    inside = set(members)
+    escaping = [
+        v for i in members for v in eqns[i].outvars if any(r not in inside for r in readers[v])
+    ]
+    if len(members) < 2 or len(escaping) != 1 or escaping[0] is not eqns[members[-1]].outvars[0]:
+        return None
+    out = escaping[0]
+    written_in_float32 = (
+        all(v.aval.dtype in (F32, np.dtype(bool)) for i in members for v in eqns[i].outvars)
+        and source.aval.dtype == F32
+    )
+    computes_float32 = any(policy.rule_for(eqns[i].primitive.name) is Rule.FLOAT32 for i in members)
+    if not (written_in_float32 and computes_float32 and _read_by_products(out, eqns, readers)):
+        return None
+    return Chain(source, tuple(members), out)
+
+
+def _read_by_products(v, eqns, readers) -> bool:
+    """Whether every reader of `v` is a matrix product, directly or through layout."""
+    for i in readers[v]:
+        if i == _OUTPUT:
+            return False
+        name = eqns[i].primitive.name
+        if name in _PRODUCTS:
+            continue
+        if name not in policy.LAYOUT or not all(
+            _read_by_products(o, eqns, readers) for o in eqns[i].outvars
+        ):
+            return False
+    return True
+
+
+def joins_product(eqn, vals, weak, low) -> bool:
+    """Whether a bias add's product arrived in `low` and its bias is a float32
+    value (not a constant, which the rule for constants keeps from widening)."""
+    product = _product_operand(eqn, vals)
+    return (
+        dtype_of(product) == low and not any(weak) and all(dtype_of(x) in (F32, low) for x in vals)
+    )
+
+
+def bias_add(ctx, eqn, vals, weak):
+    """A product plus its bias: the bias added to the product's float32
+    accumulator and the sum rounded once, where the product kept one. None
+    where it did not: the caller then runs the add in the product's dtype."""
+    low = ctx.region.dtype
+    if not joins_product(eqn, vals, weak, low):
+        return None
+    product = _product_operand(eqn, vals)
+    accumulator = ctx.scope.accumulator(product)
+    if accumulator is None:
+        return None
+    args = [accumulator if x is product else x for x in vals]
+    if any(dtype_of(x) != F32 for x in args):
+        return None
+    return [convert(o, low, False) for o in _compat.bind(eqn, *args)]
+
+
+def _product_operand(eqn, vals):
+    """The operand of a bias add with the result's shape (the product)."""
+    shape = eqn.outvars[0].aval.shape
+    return next(x for x, v in zip(vals, eqn.invars) if v.aval.shape == shape)
+
+
+def pointwise(chain: Chain, eqns, source_value):
+    """The chain evaluated at float32 on a 16-bit `source_value`, its result
+    rounded to that dtype; rematerialized for the backward pass."""
+    low = dtype_of(source_value)
+
+    def function(x):
+        env = {chain.source: convert(x, F32, False)}
+
+        def read(v):
+            if _is_var(v):
+                return env[v]
+            return np.asarray(v.val, dtype=v.aval.dtype)
+
+        for i in chain.eqns:
+            eqn = eqns[i]
+            env.update(zip(eqn.outvars, _compat.bind(eqn, *map(read, eqn.invars))))
+        return convert(env[chain.out], low, False)
+
+    return jax.checkpoint(function, prevent_cse=False)(source_value)

@@ -1,0 +1,129 @@
+"""A product and its bias, and an activation function between two products, each
+run as one operation (torch's linear and its fused activation kernels)."""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpjax
+from conftest import BF16, F16, F32, all_eqns
+
+
+def _w(*shape, seed=0):
+    return 0.3 * jax.random.normal(jax.random.key(seed), shape)
+
+
+def _gelu(x):
+    return jax.nn.gelu(x, approximate=True)
+
+
+def _mlp(params, x):
+    h = _gelu(x @ params["w1"] + params["b1"])
+    return h @ params["w2"] + params["b2"]
+
+
+def _params():
+    return {"w1": _w(8, 16), "b1": _w(16, seed=1), "w2": _w(16, 4, seed=2), "b2": _w(4, seed=3)}
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_bias_is_added_to_the_float32_accumulator_and_rounded_once(dtype):
+    x, w, b = _w(4, 8, seed=4), _w(8, 16), _w(16, seed=1)
+    out = mpjax.autocast(lambda x, w, b: x @ w + b, dtype=dtype)(x, w, b)
+    # torch's linear: the activation leaves in 16 bits (autocast's result is
+    # returned at the traced float32 dtype, holding 16-bit values)
+    chex.assert_trees_all_equal(out, out.astype(dtype).astype(F32))
+    x16, w16 = x.astype(dtype).astype(F32), w.astype(dtype).astype(F32)
+    expected = (jnp.dot(x16, w16, precision="highest") + b).astype(dtype)
+    # one rounding of the float32 sum: at most one 16-bit ulp from the exact one
+    chex.assert_trees_all_close(
+        out.astype(F32), expected.astype(F32), rtol=2 * jnp.finfo(dtype).eps
+    )
+
+
+def test_flax_dense_output_is_16_bit_and_its_bias_gradient_float32():
+    model = nn.Dense(16)
+    x = _w(4, 8, seed=4)
+    params = model.init(jax.random.key(0), x)
+    loss = mpjax.autocast(lambda p, x: jnp.sum(model.apply(p, x).astype(F32) ** 2), dtype=BF16)
+    jaxpr = jax.make_jaxpr(loss)(params, x)
+    adds = [e for e in all_eqns(jaxpr) if e.primitive.name == "add"]
+    assert [e.invars[0].aval.dtype for e in adds] == [F32]  # the accumulator plus the bias
+    grads = jax.grad(loss)(params, x)
+    chex.assert_trees_all_equal_dtypes(grads, params)
+    reference = jax.grad(lambda p, x: jnp.sum(model.apply(p, x) ** 2))(params, x)
+    chex.assert_trees_all_close(grads, reference, rtol=0.05, atol=0.05)
+
+
+def test_a_same_size_float32_operand_still_widens():
+    f = mpjax.autocast(lambda x, w, y: x @ w + y, dtype=BF16)
+    assert f(_w(4, 8), _w(8, 16), _w(4, 16)).dtype == F32
+
+
+def test_a_constant_added_to_a_product_does_not_widen_it():
+    f = mpjax.autocast(lambda x, w: x @ w + jnp.arange(16.0), dtype=BF16)
+    jaxpr = jax.make_jaxpr(f)(_w(4, 8), _w(8, 16))
+    (add,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "add"]
+    assert add.outvars[0].aval.dtype == BF16
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_activation_between_products_computes_in_float32_and_keeps_16_bits(dtype):
+    params, x = _params(), _w(4, 8, seed=4)
+    jaxpr = jax.make_jaxpr(mpjax.autocast(_mlp, dtype=dtype))(params, x)
+    (tanh,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "tanh"]
+    assert tanh.outvars[0].aval.dtype == F32  # inside: torch's float32 opmath
+    dots = [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
+    assert [v.aval.dtype for v in dots[1].invars] == [dtype, dtype]
+    # the value: the float32 function of the 16-bit activation, rounded once
+    h = x.astype(dtype).astype(F32) @ params["w1"].astype(dtype).astype(F32) + params["b1"]
+    expected_h = _gelu(h.astype(dtype).astype(F32)).astype(dtype)
+    got = mpjax.autocast(lambda p, x: _gelu(x @ p["w1"] + p["b1"]) @ jnp.eye(16), dtype=dtype)
+    chex.assert_trees_all_close(
+        got(params, x).astype(F32), expected_h.astype(F32), rtol=2 * jnp.finfo(dtype).eps
+    )
+
+
+def test_backward_pass_keeps_the_16_bit_activation_not_float32_intermediates():
+    params, x = _params(), _w(64, 8, seed=4)
+    loss = mpjax.autocast(lambda p, x: jnp.sum(_mlp(p, x).astype(F32)), dtype=BF16)
+    _, residuals = jax.vjp(lambda p: loss(p, x), params)
+    kept = [
+        (leaf.shape, leaf.dtype) for leaf in jax.tree.leaves(residuals) if np.size(leaf) == 64 * 16
+    ]
+    assert kept and all(dtype == BF16 for _, dtype in kept), kept
+
+
+def test_gradients_match_float32_as_before():
+    params, x = _params(), _w(32, 8, seed=4)
+    loss = lambda p, x: jnp.mean(_mlp(p, x).astype(F32) ** 2)  # noqa: E731
+    reference = jax.grad(loss)(params, x)
+    grads = jax.grad(mpjax.autocast(loss, dtype=F16))(params, x)
+    chex.assert_trees_all_equal_dtypes(grads, params)
+    chex.assert_trees_all_close(grads, reference, rtol=2e-2, atol=2e-3)
+
+
+def test_an_activation_not_read_by_a_product_keeps_torchs_float32_result():
+    f = mpjax.autocast(lambda x, w: jnp.sum(_gelu(x @ w)), dtype=BF16)
+    jaxpr = jax.make_jaxpr(f)(_w(4, 8), _w(8, 16))
+    (tanh,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "tanh"]
+    assert tanh.outvars[0].aval.dtype == F32
+    assert not any(e.primitive.name in ("remat2", "checkpoint") for e in all_eqns(jaxpr))
+
+
+def test_float32_accumulator_is_for_parameters_not_activations():
+    def attention(x, wq, wk):
+        q, k = x @ wq, x @ wk  # products with a weight: float32 accumulators
+        probs = jax.nn.softmax(q @ k.T)  # float32: softmax is on the float32 list
+        return probs @ x
+
+    x, wq, wk = _w(4, 8), _w(8, 8, seed=1), _w(8, 8, seed=2)
+    jaxpr = jax.make_jaxpr(mpjax.autocast(attention, dtype=BF16))(x, wq, wk)
+    dots = [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
+    assert [e.outvars[0].aval.dtype for e in dots] == [F32, F32, BF16, F32]
+    jaxpr = jax.make_jaxpr(mpjax.autocast(lambda x, w: jnp.tanh(x @ w), dtype=BF16))(x, wq)
+    (dot,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
+    assert dot.outvars[0].aval.dtype == F32  # a weight: its gradient sums in float32
