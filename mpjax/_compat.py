@@ -167,26 +167,21 @@ def sub_jaxprs(params):
     return list(jex_core.jaxprs_in_params(params))
 
 
-def low_precision_dot_algorithm(low):
-    """The dot algorithm that multiplies `low` operands into a float32 result.
+def backward_operands_dtype(low):
+    """The dtype a weight-gradient product's 16-bit cotangent is handed to the
+    backend in.
 
-    Products given a float32 result type also transpose to products with a
-    float32 cotangent (exactly representable in `low`); this algorithm makes the
-    backend round it back to `low` and use its 16-bit units. Only on GPUs of
-    compute capability 8.0 or above: the CPU backend rejects ``F16_F16_F32``, and
-    older GPUs lack the bfloat16 one. Elsewhere None: the backend's default.
+    `low` everywhere but for bfloat16 on the CPU backend, whose dot kernel
+    rejects bfloat16 x bfloat16 -> float32 products in the layouts XLA gives
+    weight gradients ("Unsupported element type for DotThunk"): there the
+    cotangent's bfloat16 values go as float32, exactly, beside the bfloat16
+    operand, and the backend sums the same products in float32.
     """
     try:
-        device = jax.devices()[0]
+        platform = jax.devices()[0].platform
     except RuntimeError:
-        return None
-    if device.platform != "gpu":
-        return None
-    major = str(getattr(device, "compute_capability", "0")).split(".")[0]
-    if not major.isdigit() or int(major) < 8:
-        return None
-    presets = jax.lax.DotAlgorithmPreset
-    return presets.BF16_BF16_F32 if low == jax.numpy.bfloat16 else presets.F16_F16_F32
+        return low
+    return jax.numpy.float32 if platform == "cpu" and low == jax.numpy.bfloat16 else low
 
 
 def is_default_precision(precision) -> bool:
@@ -247,3 +242,93 @@ def custom_vmap_parts(params):
         return jax.tree.leaves(out), jax.tree.leaves(out_batched)
 
     return params["call"], flat_rule
+
+
+# -- a linear function with a custom transpose (`mpjax._products`) ------------
+# `jax.custom_derivatives.linear_call` lets a JVP rule say how its tangent
+# transposes; JAX has no batching rule for it, so vmap of a gradient would fail.
+# The rule below is registered only where JAX has none: it rebuilds the call
+# with the callee and its transpose vmapped, a cotangent of an unbatched linear
+# input summed over the batch (in float32 for 16-bit values).
+from jax.custom_derivatives import SymbolicZero, linear_call  # noqa: E402
+from jax._src.custom_derivatives import linear_call_p as _linear_call_p  # noqa: E402
+from jax._src.interpreters import batching as _batching  # noqa: E402
+
+
+def _open(jaxpr):
+    return getattr(jaxpr, "jaxpr", jaxpr), tuple(getattr(jaxpr, "consts", ()))
+
+
+def _unmapped(d) -> bool:
+    return d is None or d is getattr(_batching, "not_mapped", None)
+
+
+def _batch_linear_call(args, dims, *, callee, transpose_thunk, num_callee_consts, num_res):
+    size = next(a.shape[d] for a, d in zip(args, dims) if not _unmapped(d))
+    axes = [None if _unmapped(d) else d for d in dims]
+    n = num_callee_consts + num_res
+    fixed, lin, fixed_axes, lin_axes = list(args[:n]), list(args[n:]), axes[:n], axes[n:]
+    f_jaxpr, f_consts = _open(callee)
+
+    def fun(fixed, lin):
+        run = lambda fx, ln: jax.core.eval_jaxpr(f_jaxpr, f_consts, *fx, *ln)  # noqa: E731
+        return jax.vmap(run, in_axes=(fixed_axes, lin_axes), axis_size=size)(fixed, lin)
+
+    def fun_transpose(fixed, cts):
+        transpose, t_consts = transpose_thunk()
+        t_jaxpr, t_jaxpr_consts = _open(transpose)
+        res, res_axes = fixed[num_callee_consts:], fixed_axes[num_callee_consts:]
+        run = lambda r, c: jax.core.eval_jaxpr(t_jaxpr, t_jaxpr_consts, *t_consts, *r, *c)  # noqa: E731
+        outs = jax.vmap(run, in_axes=(res_axes, 0), axis_size=size)(res, cts)
+        return [o if ax is not None else _batch_sum(o) for o, ax in zip(outs, lin_axes)]
+
+    outs = linear_call(fun, fun_transpose, fixed, lin)
+    return outs, [0] * len(outs)
+
+
+def _batch_sum(x):
+    if x.dtype in (jax.numpy.float16, jax.numpy.bfloat16):
+        return x.astype(jax.numpy.float32).sum(0).astype(x.dtype)
+    return x.sum(0)
+
+
+# JAX's JVP rule for it asserts that the residuals have no tangents, which
+# forward-over-reverse differentiation (a Hessian-vector product) gives them.
+# Where they have, the callee is differentiated as the function it is.
+from jax._src.interpreters import ad as _ad  # noqa: E402
+
+_jax_linear_call_jvp = _ad.primitive_jvps[_linear_call_p]
+
+
+def _linear_call_jvp(primals, tangents, **params):
+    fixed = params["num_callee_consts"] + params["num_res"]
+    if all(type(t) is _ad.Zero for t in tangents[:fixed]):
+        return _jax_linear_call_jvp(primals, tangents, **params)
+    jaxpr, consts = _open(params["callee"])
+    tangents = [_ad.instantiate_zeros(t) for t in tangents]
+    outs = _linear_call_p.bind(*primals, **params)
+    _, tangents_out = jax.jvp(
+        lambda *args: jax.core.eval_jaxpr(jaxpr, consts, *args), tuple(primals), tuple(tangents)
+    )
+    return outs, list(tangents_out)
+
+
+if getattr(_jax_linear_call_jvp, "__name__", "") == "_linear_call_jvp_rule":
+    _ad.primitive_jvps[_linear_call_p] = _linear_call_jvp
+
+if _linear_call_p not in getattr(_batching, "fancy_primitive_batchers", {}) and (
+    _linear_call_p not in getattr(_batching.primitive_batchers, "keys", lambda: ())()
+):
+    _batching.primitive_batchers[_linear_call_p] = _batch_linear_call
+
+
+def called_name(eqn) -> str:
+    """The name of the function a call-like equation calls (its `name` param, or
+    the name its jaxpr's debug info records for a custom_jvp_call)."""
+    if "name" in eqn.params:
+        return str(eqn.params["name"])
+    for sub in sub_jaxprs(eqn.params):
+        info = getattr(getattr(sub, "jaxpr", sub), "debug_info", None)
+        source = getattr(info, "func_src_info", None) or ""
+        return source.split(" ")[0]
+    return ""

@@ -170,7 +170,9 @@ def _walk(jaxpr, path: str = "", repeat: int = 1):
         inner_repeat = repeat * (eqn.params["length"] if name == "scan" else 1)
         for sub in _compat.sub_jaxprs(eqn.params):
             inner, _ = _compat.jaxpr_and_consts(sub)
-            e, c, f, lf = _walk(inner, f"{path}/{name}" if path else name, inner_repeat)
+            own = _compat.called_name(eqn).startswith("mpjax_")  # mpjax's own wrapper
+            inner_path = path if own else f"{path}/{name}" if path else name
+            e, c, f, lf = _walk(inner, inner_path, inner_repeat)
             equations += e
             casts, flops, low_flops = casts + c, flops + f, low_flops + lf
     return equations, casts, flops, low_flops

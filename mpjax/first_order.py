@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpjax import _compat
+from mpjax import _products
 from mpjax import fusions
 from mpjax import policy
 from mpjax._casting import F32, convert, dtype_of
@@ -102,7 +103,7 @@ def policy_rule(ctx, eqn, vals, weak):
         if _explicit_result_type(eqn):
             return _compat.bind(eqn, *args)
         if _float32_accumulator(ctx, eqn, vals):
-            return _low_product_float32_accumulator(ctx, eqn, args, low)
+            return _low_product_float32_accumulator(ctx, eqn, vals, args, low)
         preferred = eqn.params.get("preferred_element_type")
         if preferred is not None and policy.is_castable(preferred):
             updates["preferred_element_type"] = low
@@ -137,21 +138,24 @@ def _float32_accumulator(ctx, eqn, vals) -> bool:
     )
 
 
-def _low_product_float32_accumulator(ctx, eqn, args, low):
-    """The product of low-precision `args` with a float32 result, rounded to `low`.
+def _low_product_float32_accumulator(ctx, eqn, vals, args, low):
+    """The product of a float32 parameter in `low`, its float32 accumulator
+    rounded to `low`.
 
     The forward value is what a low-precision product gives (16-bit operands,
-    float32 accumulation, one rounding). What changes is the backward pass: JAX
-    transposes the product at its float32 result type, so the weight gradient is
-    a float32 sum over the batch, and data-parallel jit all-reduces it in float32
-    (jax#27496). On GPUs an explicit dot algorithm keeps those backward products
-    on 16-bit tensor cores, their float32 cotangent being exact in 16 bits.
+    float32 accumulation, one rounding). The backward products multiply 16-bit
+    cotangents and operands, and the parameter's gradient is a float32 sum over
+    the batch, never rounded, which data-parallel jit all-reduces in float32
+    (`mpjax._products`).
     """
-    updates = {"preferred_element_type": F32}
-    algorithm = _compat.low_precision_dot_algorithm(low)
-    if algorithm is not None and _compat.is_default_precision(eqn.params.get("precision")):
-        updates["precision"] = algorithm
-    (accumulator,) = _compat.bind(eqn, *args, **updates)
+    is_param = [dtype_of(x) == F32 and v in ctx.arguments for x, v in zip(vals, eqn.invars)]
+    accumulator = _products.low_product(
+        args,
+        [x if p else None for x, p in zip(vals, is_param)],
+        eqn.params["dimension_numbers"],
+        eqn.params.get("precision"),
+        low,
+    )
     rounded = convert(accumulator, low, False)
     ctx.scope.keep_accumulator(rounded, accumulator)  # for a bias added next
     return [rounded]

@@ -88,9 +88,9 @@ def test_explicit_float32_accumulation_of_a_dot_is_kept():
     # jnp's own default (float32 x float32 -> float32) still multiplies in float16.
     (dot,) = [
         e
-        for e in jax.make_jaxpr(mpjax.autocast(lambda a, b: a @ b))(
-            a.astype(F32), b.astype(F32)
-        ).eqns
+        for e in all_eqns(
+            jax.make_jaxpr(mpjax.autocast(lambda a, b: a @ b))(a.astype(F32), b.astype(F32))
+        )
         if e.primitive.name == "dot_general"
     ]
     assert dot.invars[0].aval.dtype == jnp.float16

@@ -99,13 +99,15 @@ def _residual_bytes(f, *args):
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(residuals))
 
 
-def test_lean_policy_keeps_fewer_residual_bytes():
+def test_both_policies_keep_fewer_residual_bytes():
     _, loss, params, _ = CASES[2]
     tokens = jax.random.randint(jax.random.key(1), (8, 65), 0, 11)
     f32 = _residual_bytes(loss, params, tokens)
     torch_style = _residual_bytes(mpjax.autocast(loss), params, tokens)
     lean = _residual_bytes(mpjax.autocast(loss, policy="lean"), params, tokens)
-    assert lean < torch_style < f32
+    # The default policy's activation between products stays 16-bit (rematerialized);
+    # the lean policy also rounds the attention probabilities and norms.
+    assert torch_style <= 0.6 * f32, (torch_style, f32)
     assert lean <= 0.6 * f32, (lean, f32)
 
 

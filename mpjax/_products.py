@@ -1,0 +1,144 @@
+"""A 16-bit matrix product whose backward products are 16-bit too, with float32
+gradients for float32 parameters.
+
+JAX transposes ``dot_general(x16, w16, preferred_element_type=float32)`` at its
+float32 result type: the backward products multiply a float32 cotangent (mixed
+operands: float32 GEMMs on CPU, TPU and older GPUs), and the weight's gradient is
+rounded to its operand's 16 bits before the cast back to float32 widens it again.
+Here the product is a `jax.custom_jvp` whose tangent is a linear function with a
+transpose of its own (`jax.custom_derivatives.linear_call`): the cotangent,
+16-bit values by construction (it comes back through the rounding of the
+product's result), is multiplied as 16 bits with the other 16-bit operand and
+accumulated in float32, and a float32 parameter's gradient is returned in
+float32, never rounded (jax#34330's ``bf16 @ bf16 -> f32``).
+
+The product takes its operands already cast (a cast made once per value and
+hoisted out of loops by the interpreter) and, beside them, the float32 parameters
+they were cast from: a parameter's tangent is taken from the parameter, the
+cast's is ignored (it is the same tangent, rounded).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax import lax
+
+from mpjax import _compat
+from mpjax._casting import F32, convert
+
+
+def low_product(operands, parameters, dimension_numbers, precision, low):
+    """``dot_general`` of the 16-bit `operands`, returning its float32 accumulator.
+
+    `parameters` holds, per operand, the float32 parameter it was cast from, or
+    None for an activation.
+    """
+    dn = dimension_numbers
+    is_param = [p is not None for p in parameters]
+
+    def dot(a, b):
+        return lax.dot_general(a, b, dn, precision=precision, preferred_element_type=F32)
+
+    def mpjax_low_product(a, b, *params):  # the name marks it in jaxprs (`mpjax.audit`)
+        return dot(a, b)
+
+    product = jax.custom_jvp(mpjax_low_product)
+
+    def jvp(primals, tangents):
+        a, b, *params = primals
+        tangent_of = iter(tangents[2:])
+        ta, tb = (next(tangent_of) if p else t for p, t in zip(is_param, tangents[:2]))
+        terms = []
+        if not isinstance(ta, _compat.SymbolicZero):
+            terms.append(
+                _linear(
+                    lambda t, b: dot(_cast(t, low), b),
+                    _lhs_transpose,
+                    b,
+                    ta,
+                    a,
+                    dn,
+                    precision,
+                    low,
+                    is_param[0],
+                )
+            )
+        if not isinstance(tb, _compat.SymbolicZero):
+            terms.append(
+                _linear(
+                    lambda t, a: dot(a, _cast(t, low)),
+                    _rhs_transpose,
+                    a,
+                    tb,
+                    b,
+                    dn,
+                    precision,
+                    low,
+                    is_param[1],
+                )
+            )
+        out = product(a, b, *params)
+        if not terms:
+            return out, jax.numpy.zeros(out.shape, F32)
+        return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
+
+    product.defjvp(jvp, symbolic_zeros=True)
+    return product(*operands, *[p for p in parameters if p is not None])
+
+
+def _cast(x, low):
+    return convert(x, low, False)
+
+
+def _linear(apply, transpose, other, tangent, operand, dn, precision, low, is_param):
+    """The product's tangent in one operand, `apply(tangent, other)`, whose
+    transpose multiplies the 16-bit cotangent by `other` into the operand's
+    gradient: float32 for a parameter, `low` for an activation."""
+    result = F32 if is_param else low
+    cotangent_dtype = _compat.backward_operands_dtype(low) if is_param else low
+
+    def transposed(other, ct):
+        ct = convert(_cast(ct, low), cotangent_dtype, False)
+        return transpose(ct, other, np.ndim(operand), dn, precision, result).astype(tangent.dtype)
+
+    return _compat.linear_call(lambda other, t: apply(t, other), transposed, other, tangent)
+
+
+def _lhs_transpose(ct, y, x_ndim, dn, precision, result_type):
+    return _transpose_lhs(ct, x_ndim, y, dn, precision, result_type)
+
+
+def _rhs_transpose(ct, x, y_ndim, dn, precision, result_type):
+    (x_contract, y_contract), (x_batch, y_batch) = dn
+    swapped = ((y_contract, x_contract), (y_batch, x_batch))
+    return _transpose_lhs(ct, y_ndim, x, swapped, precision, result_type, swap_ans=True)
+
+
+def _transpose_lhs(ct, x_ndim, y, dn, precision, result_type, swap_ans=False):
+    """The cotangent of a product's left operand (JAX's own transpose rule), as a
+    product of the 16-bit cotangent and right operand returning `result_type`."""
+    (x_contract, y_contract), (x_batch, y_batch) = dn
+    x_kept = _remaining(range(x_ndim), x_contract, x_batch)
+    y_kept = _remaining(range(np.ndim(y)), y_contract, y_batch)
+    if swap_ans:
+        ans_batch, ans_y, _ = _ranges_like(x_batch, y_kept, x_kept)
+    else:
+        ans_batch, _, ans_y = _ranges_like(x_batch, x_kept, y_kept)
+    dims = ((ans_y, tuple(y_kept)), (ans_batch, tuple(y_batch)))
+    x_contract_sorted_by_y = list(np.take(x_contract, np.argsort(y_contract)))
+    out_axes = np.argsort(list(x_batch) + x_kept + x_contract_sorted_by_y)
+    out = lax.dot_general(ct, y, dims, precision=precision, preferred_element_type=result_type)
+    return lax.transpose(out, tuple(int(a) for a in out_axes))
+
+
+def _remaining(original, *removed) -> list:
+    gone = {int(i) for r in removed for i in r}
+    return [i for i in original if i not in gone]
+
+
+def _ranges_like(*groups):
+    start = 0
+    for group in groups:
+        yield tuple(range(start, start + len(group)))
+        start += len(group)
