@@ -101,8 +101,10 @@ def autocast(
       enabled: if False, `fun` runs as written (and so does any region nested in
         it that does not enable autocast again).
       policy: ``"torch"`` (default) hands on the dtype each operation computes in,
-        as ``torch.autocast`` does: a float32-list operation returns float32, and a
-        float32 bias promotes the activation it is added to. ``"lean"`` keeps
+        as ``torch.autocast`` does: a float32-list operation returns float32; a
+        product plus its bias, and an activation function between two products,
+        each run as torch's single operation would and return `dtype` (see
+        `mpjax.fusions`). ``"lean"`` keeps
         activations in `dtype` between operations, as a model written with Flax's
         ``dtype=`` does: float32-list operations compute in float32 and return
         `dtype` (rematerialized, so no float32 copy is kept for the backward
