@@ -136,17 +136,19 @@ def _all_finite_everywhere(config: ScalerConfig, tree):
 def _finite_flags(config: ScalerConfig, tree, subtrees: dict):
     """Whether all of `tree` is finite, and for each of `subtrees` whether it is not.
 
-    One reduction per leaf; the per-subtree flags are a few scalar ops on those.
+    One reduction per leaf, to a flag that is true where the leaf holds an inf or
+    a NaN; they are combined by one more. A subtree of a single leaf (a flat dict
+    of parameters) reports that leaf's flag itself, with no op of its own.
     """
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    flags = [(path, jnp.all(jnp.isfinite(x))) for path, x in flat if _is_inexact(x)]
-    finite = _combine([f for _, f in flags])
+    flags = [(path, jnp.any(~jnp.isfinite(x))) for path, x in flat if _is_inexact(x)]
+    finite = jnp.logical_not(_any([f for _, f in flags]))
     by_name: dict = {}
     if subtrees:
         depth = _depth(tree)
         for path, f in flags:
             by_name.setdefault(_subtree_name(path, depth), []).append(f)
-    nonfinite = {name: jnp.logical_not(_combine(by_name.get(name, []))) for name in dict(subtrees)}
+    nonfinite = {name: _any(by_name.get(name, [])) for name in dict(subtrees)}
     if config.axis_name is not None:
         # Every device must take the same branch, or replicas drift apart.
         total = lax.psum(
@@ -221,17 +223,17 @@ def accumulator_dtype(p):
     return jnp.promote_types(jnp.result_type(p), jnp.float32)
 
 
-def _combine(flags) -> jax.Array:
-    """Whether all of `flags` (bool scalars, one per leaf) are true.
+def _any(flags) -> jax.Array:
+    """Whether any of `flags` (bool scalars, one per leaf) is true.
 
-    Combined by one reduction (a float32 min of their stack). Combined with
-    ``&`` instead, the flag is a chain of cheap scalar ops that XLA copies into
+    Combined by one reduction (a float32 max of their stack). Combined with
+    ``|`` instead, the flag is a chain of cheap scalar ops that XLA copies into
     every fusion reading it (every select of the step), so compile time grew with
     the square of the number of leaves; a reduction is never copied.
     """
     if len(flags) <= 1:
-        return flags[0] if flags else jnp.array(True)
-    return jnp.min(jnp.stack(flags).astype(jnp.float32)) > 0
+        return flags[0] if flags else jnp.array(False)
+    return jnp.max(jnp.stack(flags).astype(jnp.float32)) > 0
 
 
 def _select(pred: jax.Array, on_true, on_false):
