@@ -88,11 +88,29 @@ def module_path(stack: str, calls=frozenset()) -> str:
     the `calls` (jitted functions, which autocast inlines under their name):
     ``transpose(jvp(mpjax_autocast_float16))/Net/block_1/_where`` -> ``Net/block_1``."""
     plain = _TRANSFORM.sub("", stack).replace(")", "")
-    return "/".join(
+    parts = [
         p
         for p in plain.split("/")
         if p and p not in calls and p not in _JAX_SCOPES and not _MPJAX_SCOPE.match(p)
-    )
+    ]
+    return "/".join(_without_repeats(parts))
+
+
+def _without_repeats(parts: list) -> list:
+    """A path whose scopes repeat back to back (``a/b/a/b``: an inlined call of
+    mpjax's, traced under the caller's full scope) named once (``a/b``)."""
+    changed = True
+    while changed:
+        changed = False
+        for size in range(len(parts) // 2, 0, -1):
+            for i in range(len(parts) - 2 * size + 1):
+                if parts[i : i + size] == parts[i + size : i + 2 * size]:
+                    parts = parts[: i + size] + parts[i + 2 * size :]
+                    changed = True
+                    break
+            if changed:
+                break
+    return parts
 
 
 def call_names(jaxpr) -> frozenset:

@@ -171,7 +171,8 @@ def test_underflow_share_matches_float32_directly():
 
 
 def test_recommended_scale_follows_the_formula():
-    # loss = c * sum(x @ w): every float16 gradient value of w is c * batch.
+    # loss = c * sum(x @ w): the backward pass's 16-bit values are the cotangents
+    # of x @ w, c each; w's gradient, c * batch, is a float32 sum.
     c, batch = 3.0, 5
     w, x = jnp.full((4, 2), 0.1), jnp.ones((batch, 4))
 
@@ -179,10 +180,10 @@ def test_recommended_scale_follows_the_formula():
         return c * jnp.sum(x @ w)
 
     largest = float(jnp.abs(jax.grad(loss_fn)(w, x)).max())  # 15, in float32
-    k = math.floor(math.log2(65504 / (HEADROOM * largest)))
-    report = mpjax.diagnose(loss_fn, w, x)  # at 2**16: 15 * 65536 overflows float16
+    k = math.floor(math.log2(65504 / (HEADROOM * c)))
+    report = mpjax.diagnose(loss_fn, w, x)  # at 2**16: 3 * 65536 overflows float16
     run = report.runs[0]
-    assert run.max_gradient == largest and run.recommended_scale == 2.0**k == 2.0**9
+    assert run.max_gradient == c and run.recommended_scale == 2.0**k == 2.0**11
     assert run.backward is not None and run.forward is None
     assert any(f"init_scale=2**{k}" in r for r in report.recommendations)
     # The scale read from an optimizer state: at 2**9 the step fits.
