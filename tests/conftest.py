@@ -1,5 +1,6 @@
 """Shared helpers: a checker that every equation of a program obeys the policy."""
 
+import datetime
 import os
 
 # Eight simulated CPU devices for the data-parallel tests; set before jax starts.
@@ -20,6 +21,17 @@ from mpjax.policy import Rule  # noqa: E402
 # derivatives, have none (tests/test_float32_sums.py); a test that builds one
 # outside autocast on purpose lifts the guard with `jax.allow_f16_reductions(True)`.
 jax.config.update("jax_allow_f16_reductions", False)
+
+PROPERTY_SEED = int(
+    os.environ.get("MPJAX_PROPERTY_SEED", datetime.datetime.now(datetime.UTC).date().toordinal())
+)
+"""The seed of the property tests' random programs (tests/test_properties.py): the
+day's date, or MPJAX_PROPERTY_SEED to repeat another day's run."""
+
+
+def pytest_report_header(config):
+    return f"property tests: MPJAX_PROPERTY_SEED={PROPERTY_SEED}"
+
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 LOW_DTYPES = [jnp.float16, jnp.bfloat16]
