@@ -179,6 +179,14 @@ def test_forward_mode_has_no_16_bit_sum(name, reference, make, args, policy):
     assert sixteen_bit_sums(jaxpr) == []
 
 
+@functools.cache
+def _float32_gradients(family):
+    """The float32 reference, compiled once per model for the four cases below."""
+    params, batch = _bench_cases()[family]
+    spec = SIZES["smoke"][family]
+    return jax.jit(jax.grad(loss_fn(spec, VARIANTS["float32"])))(params, batch)
+
+
 @pytest.mark.parametrize("low", LOWS, ids=["float16", "bfloat16"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("family", ["gpt", "resnet"])
@@ -188,8 +196,7 @@ def test_benchmark_model_gradients_close_to_float32(family, policy, low):
     size (a batch of 2) single GroupNorm gradients nearly cancel, and their
     relative error is noise."""
     params, batch = _bench_cases()[family]
-    spec = SIZES["smoke"][family]
-    ref = jax.jit(jax.grad(loss_fn(spec, VARIANTS["float32"])))(params, batch)
+    ref = _float32_gradients(family)
     got = jax.jit(jax.grad(_bench_loss(family, low, policy)))(params, batch)
     chex.assert_trees_all_equal_dtypes(got, params)
     diff = sum(
