@@ -8,7 +8,7 @@ import re
 from mpjax._diagnose_report import RANGES
 
 HEADROOM = 8.0
-"""The recommended scale keeps the largest 16-bit gradient value this many times
+"""The recommended scale keeps the largest 16-bit backward value this many times
 below float16's largest value: gradients grow and vary between batches."""
 UNDERFLOW_SHARE = 0.01
 """A parameter is named when more than this share of its gradient is lost to zero."""
@@ -96,7 +96,7 @@ def _worst(leaves) -> str:
 def _scale(run, layers) -> list[str]:
     s, rec, g = run.scale, run.recommended_scale, run.max_gradient
     fits = (
-        f"the largest 16-bit gradient value, {g:.3g} at scale 1, times {_pow2(rec)} "
+        f"the largest 16-bit backward value, {g:.3g} at scale 1, times {_pow2(rec)} "
         f"stays {HEADROOM:g} times below 65504"
     )
     if run.backward is not None:
@@ -116,7 +116,7 @@ def _scale(run, layers) -> list[str]:
         return _raise_scale(run, layers, under, fits)
     if rec < s:
         out = [
-            f"At scale {s:g} the largest 16-bit gradient value reaches {g * s:.3g}, less "
+            f"At scale {s:g} the largest 16-bit backward value reaches {g * s:.3g}, less "
             f"than {HEADROOM:g} times below 65504: init_scale={_pow2(rec)} leaves room as "
             "gradients grow."
         ]

@@ -145,18 +145,18 @@ class DiagnoseReport:
     Examples:
       >>> import jax.numpy as jnp, mpjax
       >>> def loss_fn(w, x):
-      ...     return 100.0 * jnp.sum(x @ w)  # float16 gradient values of 300
+      ...     return 100.0 * jnp.sum(x @ w)  # float16 cotangents of 100
       >>> report = mpjax.diagnose(loss_fn, jnp.ones((4, 2)), jnp.ones((3, 4)))
       >>> run = report.runs[0]
       >>> run.forward is None, run.backward.phase  # fine forward, inf backward at 2**16
       (True, 'backward')
-      >>> run.max_gradient, run.recommended_scale  # 2**4 * 300 * 8 <= 65504
-      (300.0, 16.0)
+      >>> run.max_gradient, run.recommended_scale  # 2**6 * 100 * 8 <= 65504
+      (100.0, 64.0)
       >>> report.as_dict()["runs"][0]["recommended_scale"]
-      16.0
+      64.0
       >>> print(report.recommendations[-1])
-      Start from init_scale=2**4 (grad_scaler backs off on its own, skipping a step
-      each time): the largest 16-bit gradient value, 300 at scale 1, times 2**4 stays 8
+      Start from init_scale=2**6 (grad_scaler backs off on its own, skipping a step
+      each time): the largest 16-bit backward value, 100 at scale 1, times 2**6 stays 8
       times below 65504.
     """
 

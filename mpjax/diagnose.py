@@ -46,7 +46,7 @@ def diagnose(
     * per module: the range of the values it computes against float16's and
       bfloat16's;
     * recommendations computed from these figures: the loss scale to start from
-      (the largest power of two that keeps the largest 16-bit gradient value,
+      (the largest power of two that keeps the largest 16-bit backward value,
       times ``HEADROOM = 8``, below 65504), and where a region should stay in
       float32.
 
@@ -279,7 +279,7 @@ def _diagnose_dtype(problem, dtype, scale, policy, reference, calls):
 
 
 def _scale_figures(program, low, problem, reference, calls):
-    """(largest 16-bit gradient value, recommended scale, gradients measured there).
+    """(largest 16-bit backward value, recommended scale, gradients measured there).
 
     The largest value is read from the run at the user's scale unless it overflowed
     there, or its largest value is subnormal (flushed, so imprecise): then from a
