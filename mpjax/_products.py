@@ -28,11 +28,14 @@ from mpjax import _compat
 from mpjax._casting import F32, convert
 
 
-def low_product(operands, parameters, dimension_numbers, precision, low):
+def low_product(operands, parameters, dimension_numbers, precision, low, recast=True):
     """``dot_general`` of the 16-bit `operands`, returning its float32 accumulator.
 
     `parameters` holds, per operand, the float32 parameter it was cast from, or
-    None for an activation.
+    None for an activation. With `recast`, the backward pass keeps the float32
+    parameter (alive anyway) and casts it again, rather than keeping its 16-bit
+    copy; inside a loop body, where the cast is made once outside the loop and
+    kept once, pass False.
     """
     dn = dimension_numbers
     is_param = [p is not None for p in parameters]
@@ -47,15 +50,18 @@ def low_product(operands, parameters, dimension_numbers, precision, low):
 
     def jvp(primals, tangents):
         a, b, *params = primals
-        tangent_of = iter(tangents[2:])
+        tangent_of, param_of = iter(tangents[2:]), iter(params)
         ta, tb = (next(tangent_of) if p else t for p, t in zip(is_param, tangents[:2]))
+        # What the backward pass keeps of each operand: a parameter itself, alive
+        # anyway (its 16-bit copy is cast again when needed), or the activation.
+        a_kept, b_kept = (next(param_of) if p and recast else x for p, x in zip(is_param, (a, b)))
         terms = []
         if not isinstance(ta, _compat.SymbolicZero):
             terms.append(
                 _linear(
-                    lambda t, b: dot(_cast(t, low), b),
+                    lambda t, b: dot(_cast(t, low), _cast(b, low)),
                     _lhs_transpose,
-                    b,
+                    b_kept,
                     ta,
                     a,
                     dn,
@@ -67,9 +73,9 @@ def low_product(operands, parameters, dimension_numbers, precision, low):
         if not isinstance(tb, _compat.SymbolicZero):
             terms.append(
                 _linear(
-                    lambda t, a: dot(a, _cast(t, low)),
+                    lambda t, a: dot(_cast(a, low), _cast(t, low)),
                     _rhs_transpose,
-                    a,
+                    a_kept,
                     tb,
                     b,
                     dn,
@@ -100,6 +106,7 @@ def _linear(apply, transpose, other, tangent, operand, dn, precision, low, is_pa
 
     def transposed(other, ct):
         ct = convert(_cast(ct, low), cotangent_dtype, False)
+        other = _cast(other, low)
         return transpose(ct, other, np.ndim(operand), dn, precision, result).astype(tangent.dtype)
 
     return _compat.linear_call(lambda other, t: apply(t, other), transposed, other, tangent)

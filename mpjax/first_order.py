@@ -155,6 +155,7 @@ def _low_product_float32_accumulator(ctx, eqn, vals, args, low):
         eqn.params["dimension_numbers"],
         eqn.params.get("precision"),
         low,
+        recast=ctx.scope.parent is None,  # in a loop body the cast is hoisted: keep it
     )
     rounded = convert(accumulator, low, False)
     ctx.scope.keep_accumulator(rounded, accumulator)  # for a bias added next
