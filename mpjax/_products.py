@@ -55,35 +55,15 @@ def low_product(operands, parameters, dimension_numbers, precision, low, recast=
         # What the backward pass keeps of each operand: a parameter itself, alive
         # anyway (its 16-bit copy is cast again when needed), or the activation.
         a_kept, b_kept = (next(param_of) if p and recast else x for p, x in zip(is_param, (a, b)))
-        terms = []
-        if not isinstance(ta, _compat.SymbolicZero):
-            terms.append(
-                _linear(
-                    lambda t, b: dot(_cast(t, low), _cast(b, low)),
-                    _lhs_transpose,
-                    b_kept,
-                    ta,
-                    a,
-                    dn,
-                    precision,
-                    low,
-                    is_param[0],
-                )
-            )
-        if not isinstance(tb, _compat.SymbolicZero):
-            terms.append(
-                _linear(
-                    lambda t, a: dot(_cast(a, low), _cast(t, low)),
-                    _rhs_transpose,
-                    a_kept,
-                    tb,
-                    b,
-                    dn,
-                    precision,
-                    low,
-                    is_param[1],
-                )
-            )
+        sides = (  # (tangent, the other operand as kept, apply, transpose, operand, param?)
+            (ta, b_kept, lambda t, o: dot(_cast(t, low), _cast(o, low)), _lhs_transpose, a),
+            (tb, a_kept, lambda t, o: dot(_cast(o, low), _cast(t, low)), _rhs_transpose, b),
+        )
+        terms = [
+            _linear(apply, transpose, other, t, operand, dn, precision, low, param)
+            for (t, other, apply, transpose, operand), param in zip(sides, is_param)
+            if not isinstance(t, _compat.SymbolicZero)
+        ]
         out = product(a, b, *params)
         if not terms:
             return out, jax.numpy.zeros(out.shape, F32)
