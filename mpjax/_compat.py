@@ -184,15 +184,6 @@ def backward_operands_dtype(low):
     return jax.numpy.float32 if platform == "cpu" and low == jax.numpy.bfloat16 else low
 
 
-def is_default_precision(precision) -> bool:
-    """Whether a dot's `precision` param leaves the choice to the backend."""
-    if precision is None:
-        return True
-    if isinstance(precision, tuple):
-        return all(p in (None, jax.lax.Precision.DEFAULT) for p in precision)
-    return precision == jax.lax.Precision.DEFAULT
-
-
 def is_tracer(x) -> bool:
     """Whether `x` is a value of a trace in progress (jit, grad, vmap, ...)."""
     return isinstance(x, jax.core.Tracer)
@@ -250,7 +241,7 @@ def custom_vmap_parts(params):
 # The rule below is registered only where JAX has none: it rebuilds the call
 # with the callee and its transpose vmapped, a cotangent of an unbatched linear
 # input summed over the batch (in float32 for 16-bit values).
-from jax.custom_derivatives import SymbolicZero, linear_call  # noqa: E402
+from jax.custom_derivatives import SymbolicZero, linear_call  # noqa: E402, F401
 from jax._src.custom_derivatives import linear_call_p as _linear_call_p  # noqa: E402
 from jax._src.interpreters import batching as _batching  # noqa: E402
 

@@ -56,8 +56,8 @@ def low_product(operands, parameters, dimension_numbers, precision, low, recast=
         # anyway (its 16-bit copy is cast again when needed), or the activation.
         a_kept, b_kept = (next(param_of) if p and recast else x for p, x in zip(is_param, (a, b)))
         sides = (  # (tangent, the other operand as kept, apply, transpose, operand, param?)
-            (ta, b_kept, lambda t, o: dot(_cast(t, low), _cast(o, low)), _lhs_transpose, a),
-            (tb, a_kept, lambda t, o: dot(_cast(o, low), _cast(t, low)), _rhs_transpose, b),
+            (ta, b_kept, lambda t, o: dot(_cast(t, low), _cast(o, low)), _transpose_lhs, a),
+            (tb, a_kept, lambda t, o: dot(_cast(o, low), _cast(t, low)), _transpose_rhs, b),
         )
         terms = [
             _linear(apply, transpose, other, t, operand, dn, precision, low, param)
@@ -92,17 +92,13 @@ def _linear(apply, transpose, other, tangent, operand, dn, precision, low, is_pa
     return _compat.linear_call(lambda other, t: apply(t, other), transposed, other, tangent)
 
 
-def _lhs_transpose(ct, y, x_ndim, dn, precision, result_type):
-    return _transpose_lhs(ct, x_ndim, y, dn, precision, result_type)
-
-
-def _rhs_transpose(ct, x, y_ndim, dn, precision, result_type):
+def _transpose_rhs(ct, x, y_ndim, dn, precision, result_type):
     (x_contract, y_contract), (x_batch, y_batch) = dn
     swapped = ((y_contract, x_contract), (y_batch, x_batch))
-    return _transpose_lhs(ct, y_ndim, x, swapped, precision, result_type, swap_ans=True)
+    return _transpose_lhs(ct, x, y_ndim, swapped, precision, result_type, swap_ans=True)
 
 
-def _transpose_lhs(ct, x_ndim, y, dn, precision, result_type, swap_ans=False):
+def _transpose_lhs(ct, y, x_ndim, dn, precision, result_type, swap_ans=False):
     """The cotangent of a product's left operand (JAX's own transpose rule), as a
     product of the 16-bit cotangent and right operand returning `result_type`."""
     (x_contract, y_contract), (x_batch, y_batch) = dn

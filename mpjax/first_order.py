@@ -83,12 +83,11 @@ def policy_rule(ctx, eqn, vals, weak):
     if lean and rule is Rule.FLOAT32 and any(dtype_of(x) in policy.LOW_DTYPES for x in vals):
         return _float32_inside(ctx, eqn, vals, low)
     targets = _targets(rule, eqn, vals, weak, low, lean)
-    if low is not None and not lean and id(eqn) in ctx.bias_adds:
-        outs = fusions.bias_add(ctx, eqn, vals, weak)
+    if fusions.joins_product(ctx, eqn, vals, weak):
+        outs = fusions.bias_add(ctx, eqn, vals)
         if outs is not None:
             return outs
-        if fusions.joins_product(eqn, vals, weak, low):
-            targets = [low if t is not None else None for t in targets]
+        targets = [low if t is not None else None for t in targets]
     if low is not None and _sums_in_float32(ctx.region, eqn.primitive.name):
         outs = _float32_sums(eqn, vals, targets, ctx, weak)
         if outs is not None:
@@ -134,7 +133,7 @@ def _float32_accumulator(ctx, eqn, vals) -> bool:
     return (
         not ctx.region.reduce_low
         and eqn.primitive.name in policy.FLOAT32_ACCUMULATOR
-        and any(dtype_of(x) == F32 and v in ctx.arguments for x, v in zip(vals, eqn.invars))
+        and any(p is not None for p in fusions.parameters(ctx, eqn, vals))
     )
 
 
@@ -148,10 +147,9 @@ def _low_product_float32_accumulator(ctx, eqn, vals, args, low):
     the batch, never rounded, which data-parallel jit all-reduces in float32
     (`mpjax._products`).
     """
-    is_param = [dtype_of(x) == F32 and v in ctx.arguments for x, v in zip(vals, eqn.invars)]
     accumulator = _products.low_product(
         args,
-        [x if p else None for x, p in zip(vals, is_param)],
+        fusions.parameters(ctx, eqn, vals),
         eqn.params["dimension_numbers"],
         eqn.params.get("precision"),
         low,

@@ -102,6 +102,13 @@ def _arguments(jaxpr) -> frozenset:
     return frozenset(found)
 
 
+def parameters(ctx, eqn, vals) -> list:
+    """Per operand of `eqn`, the float32 argument (a parameter) it is, or None."""
+    return [
+        x if dtype_of(x) == F32 and v in ctx.arguments else None for x, v in zip(vals, eqn.invars)
+    ]
+
+
 def _is_bias_add(eqn, eqns, producer) -> bool:
     if eqn.primitive.name != "add" or not all(map(_is_var, eqn.invars)):
         return False
@@ -174,22 +181,24 @@ def _read_by_products(v, eqns, readers) -> bool:
     return True
 
 
-def joins_product(eqn, vals, weak, low) -> bool:
-    """Whether a bias add's product arrived in `low` and its bias is a float32
-    value (not a constant, which the rule for constants keeps from widening)."""
+def joins_product(ctx, eqn, vals, weak) -> bool:
+    """Whether `eqn` is a bias add (`find`) under the default policy, whose
+    product arrived in the low dtype and whose bias is a float32 value (not a
+    constant, which the rule for constants keeps from widening)."""
+    low = ctx.region.dtype
+    if low is None or ctx.region.lean or id(eqn) not in ctx.bias_adds:
+        return False
     product = _product_operand(eqn, vals)
     return (
         dtype_of(product) == low and not any(weak) and all(dtype_of(x) in (F32, low) for x in vals)
     )
 
 
-def bias_add(ctx, eqn, vals, weak):
-    """A product plus its bias: the bias added to the product's float32
-    accumulator and the sum rounded once, where the product kept one. None
-    where it did not: the caller then runs the add in the product's dtype."""
-    low = ctx.region.dtype
-    if not joins_product(eqn, vals, weak, low):
-        return None
+def bias_add(ctx, eqn, vals):
+    """A product plus its bias (`joins_product`): the bias added to the
+    product's float32 accumulator and the sum rounded once, where the product
+    kept one. None where it did not: the caller then runs the add in the
+    product's dtype."""
     product = _product_operand(eqn, vals)
     accumulator = ctx.scope.accumulator(product)
     if accumulator is None:
@@ -197,7 +206,7 @@ def bias_add(ctx, eqn, vals, weak):
     args = [accumulator if x is product else x for x in vals]
     if any(dtype_of(x) != F32 for x in args):
         return None
-    return [convert(o, low, False) for o in _compat.bind(eqn, *args)]
+    return [convert(o, ctx.region.dtype, False) for o in _compat.bind(eqn, *args)]
 
 
 def _product_operand(eqn, vals):
