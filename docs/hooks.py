@@ -35,9 +35,11 @@ _TABLES = [
         "Low precision",
         "Floating inputs are cast to the region's dtype (`float16` by default, or "
         "`bfloat16`), and the result is in that dtype too. A product in "
-        "`FLOAT32_ACCUMULATOR` with a float32 input (a weight) keeps its float32 "
-        "result and rounds it to that dtype afterwards, so its weight gradient is "
-        "summed, and all-reduced under data-parallel `jit`, in float32 "
+        "`FLOAT32_ACCUMULATOR` with a float32 parameter (an argument of the traced "
+        "function) keeps its float32 result and rounds it to that dtype afterwards "
+        "(after its bias, where one is added), and its backward products multiply "
+        "16-bit operands into the parameter's float32 gradient, never rounded, "
+        "which data-parallel `jit` all-reduces in float32 "
         "(`autocast(..., reduce_dtype=dtype)` turns this off). This is the work "
         "that tensor cores and TPU matrix units accelerate.",
     ),
@@ -57,7 +59,9 @@ _TABLES = [
         "Operations with several floating inputs that must agree. They are cast to "
         "the widest *non-weak* input: a Python scalar, or a value computed from "
         "literals alone (`jnp.arange`, the `-1e9` of a mask) never widens an "
-        "operation, as in JAX's own promotion. float16 with bfloat16 gives float32.",
+        "operation, as in JAX's own promotion. float16 with bfloat16 gives float32. "
+        "A bias added to a product is the exception: it joins the product "
+        "(see *Operations torch runs as one*).",
     ),
     (
         "AS_RECEIVED",
