@@ -2,7 +2,9 @@
 
     PYTHONPATH=. python -m benchmarks.scaler [--leaves 10 100 1000 10000] [--params 1e6 1e8]
 
-Two ratios, each `grad_scaler(optax.adam(1e-3))` over bare `optax.adam(1e-3)`:
+Two ratios, each `grad_scaler(optax.adam(1e-3))` over bare `optax.adam(1e-3)`, with
+the default checks (gradients and updates) and with ``check_updates=False`` (the
+gradients only, as torch):
 
 * compile: trace, lower and compile ``jax.jit(tx.update)`` on a dict of n small
   leaves (the median of interleaved repeats);
@@ -35,20 +37,31 @@ def _compile_seconds(tx: optax.GradientTransformation, params: dict) -> dict[str
     return {"total": time.perf_counter() - t0}
 
 
+def _contenders() -> dict[str, optax.GradientTransformation]:
+    return {
+        "adam": optax.adam(1e-3),
+        "scaler": mpjax.grad_scaler(optax.adam(1e-3)),
+        "scaler_grads_only": mpjax.grad_scaler(optax.adam(1e-3), check_updates=False),
+    }
+
+
+def _ratios(med: dict, field: str) -> dict:
+    a = med["adam"][field]
+    out = {"adam_s": a}
+    for name in ("scaler", "scaler_grads_only"):
+        out[f"{name}_s"], out[f"{name}_ratio"] = med[name][field], med[name][field] / a
+    return out
+
+
 def compile_ratio(n: int, repeats: int = 3) -> dict:
     """Compile seconds of the scaler's update and of bare adam's, on n leaves."""
     params = _leaves(n, 12)
-    bare, scaled = optax.adam(1e-3), mpjax.grad_scaler(optax.adam(1e-3))
     med = interleaved(
-        {
-            "adam": lambda: _compile_seconds(bare, params),
-            "grad_scaler(adam)": lambda: _compile_seconds(scaled, params),
-        },
+        {k: lambda tx=tx: _compile_seconds(tx, params) for k, tx in _contenders().items()},
         repeats=repeats,
         warmup=False,
     )
-    a, s = med["adam"]["total"], med["grad_scaler(adam)"]["total"]
-    return {"leaves": n, "adam_s": a, "scaler_s": s, "ratio": s / a}
+    return {"leaves": n, **_ratios(med, "total")}
 
 
 def _step_seconds(update, grads, state, params, calls: int) -> dict[str, float]:
@@ -66,12 +79,11 @@ def step_ratio(total_params: int, leaves: int = 10, repeats: int = 7) -> dict:
     grads = jax.tree.map(lambda p: p * 0.25, params)
     calls = min(100, max(1, int(2e7 // total_params)))
     contenders = {}
-    for name, tx in (("adam", optax.adam(1e-3)), ("grad_scaler(adam)", mpjax.grad_scaler(optax.adam(1e-3)))):
+    for name, tx in _contenders().items():
         update, state = jax.jit(tx.update), tx.init(params)
         contenders[name] = lambda u=update, s=state: _step_seconds(u, grads, s, params, calls)
     med = interleaved(contenders, repeats=repeats)
-    a, s = med["adam"]["step"], med["grad_scaler(adam)"]["step"]
-    return {"params": total_params, "adam_s": a, "scaler_s": s, "ratio": s / a}
+    return {"params": total_params, **_ratios(med, "step")}
 
 
 def main(argv=None) -> None:
@@ -80,21 +92,29 @@ def main(argv=None) -> None:
     parser.add_argument("--params", type=float, nargs="*", default=[1e6])
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
-    print("| leaves | adam compile (s) | grad_scaler(adam) compile (s) | ratio |")
-    print("|---:|---:|---:|---:|")
+    print(
+        "| leaves | adam compile (s) | grad_scaler (s) | ratio | check_updates=False (s) | ratio |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
     for n in args.leaves:
         r = compile_ratio(n, repeats=3 if n < 1000 else 1)
-        print(f"| {n} | {r['adam_s']:.2f} | {r['scaler_s']:.2f} | {r['ratio']:.2f} |", flush=True)
+        print(f"| {n} | {_row(r, '.2f', 1)}", flush=True)
     print()
-    print("| parameters (10 leaves) | adam step (ms) | grad_scaler(adam) step (ms) | ratio |")
-    print("|---:|---:|---:|---:|")
+    print(
+        "| parameters (10 leaves) | adam step (ms) | grad_scaler (ms) | ratio "
+        "| check_updates=False (ms) | ratio |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
     for p in args.params:
         r = step_ratio(int(p))
-        print(
-            f"| {int(p):.0e} | {1e3 * r['adam_s']:.2f} | {1e3 * r['scaler_s']:.2f} "
-            f"| {r['ratio']:.3f} |",
-            flush=True,
-        )
+        print(f"| {int(p):.0e} | {_row(r, '.2f', 1e3)}", flush=True)
+
+
+def _row(r: dict, fmt: str, unit: float) -> str:
+    cells = [format(unit * r["adam_s"], fmt)]
+    for name in ("scaler", "scaler_grads_only"):
+        cells += [format(unit * r[f"{name}_s"], fmt), f"{r[f'{name}_ratio']:.3f}"]
+    return " | ".join(cells) + " |"
 
 
 if __name__ == "__main__":

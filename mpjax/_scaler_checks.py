@@ -31,6 +31,7 @@ def grad_scaler_config(
     accumulation_steps,
     accumulation,
     axis_name,
+    check_updates=True,
 ) -> ScalerConfig:
     """`grad_scaler`'s arguments, checked."""
     name = "grad_scaler"
@@ -68,7 +69,15 @@ def grad_scaler_config(
         accumulation_steps=(steps := check_int(name, "accumulation_steps", accumulation_steps)),
         accumulation=check_accumulation(name, steps, accumulation),
         axis_name=axis_name,
+        check_updates=check_bool(name, "check_updates", check_updates),
     )
+
+
+def check_bool(fn: str, name: str, value) -> bool:
+    """A flag: True or False (numpy's bools too), never a truthy string or array."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ValueError(f"{fn}: {name} must be True or False, got {value!r}.")
 
 
 def check_accumulation(fn: str, steps: int, accumulation) -> str:

@@ -36,6 +36,8 @@ class ScalerConfig(NamedTuple):
     accumulation: str
     """How micro-batch gradients combine: "mean" or "sum"."""
     axis_name: Hashable | Sequence[Hashable] | None
+    check_updates: bool = True
+    """Also skip a step whose gradients are finite but whose updates are not."""
 
 
 def update(inner, config: ScalerConfig, grads, state, params, extra):
@@ -91,7 +93,9 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra):
     # inner may itself produce a non-finite update from finite gradients (adam
     # with eps=0 on zero gradients): that step is skipped too, so parameters
     # never become non-finite. The scale is not at fault and is not backed off.
-    applied = finite & _all_finite_everywhere(config, updates)
+    # Without the check, `applied` is known before inner runs, and XLA folds the
+    # selects below into inner's own elementwise passes.
+    applied = finite & _all_finite_everywhere(config, updates) if config.check_updates else finite
     # Selection is exact, so a skipped step leaves inner's state bit for bit.
     updates = _zeros_unless(applied, updates)
     inner_state = _select(applied, inner_state, state.inner_state)

@@ -59,6 +59,7 @@ from mpjax._float32 import MIN_NORMAL_F32
 from mpjax._scaler_checks import (
     DEFAULT_MIN_SCALE,
     check_accumulation,
+    check_bool,
     check_int,
     check_no_float16,
     check_static_scale,
@@ -96,6 +97,7 @@ def grad_scaler(
     accumulation_steps: int = 1,
     accumulation: str | None = None,
     axis_name: Hashable | Sequence[Hashable] | None = None,
+    check_updates: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """Dynamic loss scaling around an optimizer, with torch's GradScaler rule.
 
@@ -134,6 +136,14 @@ def grad_scaler(
         gradients: the mapped axis name (or names) over which the finite check is
         combined, so every device makes the same skip decision. Not needed under plain
         ``jit`` with sharded arrays, where the check is already global.
+      check_updates: also skip a step whose gradients are finite but whose
+        updates are not (``inner`` itself produced an inf or a NaN: adam with
+        ``eps=0`` on zero gradients, a transform gone wrong), so that parameters
+        and optimizer state never become non-finite, whoever produced the NaN; the
+        scale neither grows nor backs off on such a step. This costs a pass over
+        the updates and one over ``inner``'s new and old state. False checks the
+        gradients only, as torch's GradScaler does: one reduction per leaf, and
+        XLA folds the skip into ``inner``'s own passes (see the benchmarks page).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -161,7 +171,9 @@ def grad_scaler(
       (Array([0., 0., 0.], dtype=float32), Array(512., dtype=float32))
     """
     settings = (init_scale, growth_factor, backoff_factor, growth_interval, min_scale, enabled)
-    config = grad_scaler_config(*settings, accumulation_steps, accumulation, axis_name)
+    config = grad_scaler_config(
+        *settings, accumulation_steps, accumulation, axis_name, check_updates
+    )
     return _loss_scaler(inner, config)
 
 
@@ -172,6 +184,7 @@ def static_scaler(
     accumulation_steps: int = 1,
     accumulation: str | None = None,
     axis_name: Hashable | Sequence[Hashable] | None = None,
+    check_updates: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """A fixed loss scale around an optimizer; non-finite steps are still skipped.
 
@@ -187,6 +200,7 @@ def static_scaler(
       accumulation_steps: as for `grad_scaler`.
       accumulation: as for `grad_scaler`.
       axis_name: as for `grad_scaler`.
+      check_updates: as for `grad_scaler`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -218,6 +232,7 @@ def static_scaler(
         accumulation_steps=steps,
         accumulation=check_accumulation("static_scaler", steps, accumulation),
         axis_name=axis_name,
+        check_updates=check_bool("static_scaler", "check_updates", check_updates),
     )
     return _loss_scaler(inner, config)
 

@@ -333,6 +333,16 @@ OUT_OF_RANGE = [
         dict(scale=1.0, accumulation_steps=-2),
         r"static_scaler: accumulation_steps must be an integer in \[1, ",
     ),
+    (
+        grad_scaler,
+        dict(check_updates="no"),
+        r"grad_scaler: check_updates must be True or False, got 'no'",
+    ),
+    (
+        static_scaler,
+        dict(scale=1.0, check_updates=None),
+        r"static_scaler: check_updates must be True or False, got None",
+    ),
 ]
 
 

@@ -75,7 +75,11 @@ def _inner():
     )
 
 
-TX = grad_scaler(_inner(), init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+def _scaler(**kwargs):
+    return grad_scaler(_inner(), init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL, **kwargs)
+
+
+TX = _scaler()
 
 
 @jax.custom_vjp
@@ -136,8 +140,9 @@ def _bits_equal(a, b):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_program():
+def _compiled_program(check_updates: bool = True):
     _, xs, ys = _init()
+    tx = _scaler(check_updates=check_updates)
 
     def body(carry, inputs):
         params, state = carry
@@ -146,7 +151,7 @@ def _compiled_program():
         loss, grads = scaled_value_and_grad(_loss, state)(
             params, x, ys[i % N_BATCHES], multiplier, grad_factor
         )
-        updates, new_state = TX.update(grads, state, params)
+        updates, new_state = tx.update(grads, state, params)
         new_params = optax.apply_updates(params, updates)
         out = {
             "params": new_params,
@@ -167,13 +172,13 @@ def _compiled_program():
     return run
 
 
-def _run_program(program):
+def _run_program(program, check_updates: bool = True):
     """Runs a list of LENGTH step inputs; returns the per-step outputs as numpy."""
     assert len(program) == LENGTH
     params, _, _ = _init()
     columns = [jnp.asarray(c, jnp.float32) for c in zip(*program)]
     _INNER_SAW_FINITE.clear()
-    out = _compiled_program()(params, TX.init(params), *columns)
+    out = _compiled_program(check_updates)(params, TX.init(params), *columns)
     out = jax.device_get(out)
     jax.effects_barrier()
     return params, out
@@ -255,6 +260,22 @@ def test_isolated_faults_of_every_kind():
             assert np.isfinite(loss)
 
 
+def test_checking_the_gradients_only_skips_the_same_steps_bit_for_bit():
+    # With an inner optimizer that never makes a non-finite update from finite
+    # gradients, the cheaper check decides every step alike: every invariant
+    # holds, and the two runs agree (up to XLA fusing the two programs'
+    # arithmetic differently: a few ulps).
+    kinds = list(FAULTS.values())
+    program = [kinds[(i // 3) % len(kinds)] if i % 3 == 2 else CLEAN for i in range(LENGTH)]
+    faulty = [p != CLEAN for p in program]
+    params0, out = _run_program(program, check_updates=False)
+    _check_invariants(params0, out, faulty)
+    checked = _run_program(program)[1]
+    chex.assert_trees_all_equal(out["state"].scale, checked["state"].scale)
+    chex.assert_trees_all_equal(out["state"].skipped_steps, checked["state"].skipped_steps)
+    chex.assert_trees_all_close(out["params"], checked["params"], rtol=1e-5, atol=1e-7)
+
+
 def test_overflow_storm_then_recovery_at_the_documented_rate():
     warmup, storm = 10, 300
     kinds = list(FAULTS.values())
@@ -316,13 +337,19 @@ def _nan_updates_when_told():
     return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
-def test_nan_update_from_the_inner_optimizer_is_skipped():
+def _poisoned_step(check_updates: bool):
+    """Three clean steps, then one whose inner optimizer makes NaN updates."""
     inner = optax.chain(
         optax.clip_by_global_norm(1.0),
         _nan_updates_when_told(),
         optax.inject_hyperparams(optax.adam)(learning_rate=SCHEDULE),
     )
-    tx = grad_scaler(inner, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+    tx = grad_scaler(
+        inner,
+        init_scale=INIT_SCALE,
+        growth_interval=GROWTH_INTERVAL,
+        check_updates=check_updates,
+    )
     params, xs, ys = _init()
 
     @jax.jit
@@ -335,6 +362,12 @@ def test_nan_update_from_the_inner_optimizer_is_skipped():
     for i in range(3):
         params, state = step(params, state, xs[i], ys[i], jnp.array(False))
     new_params, new_state = step(params, state, xs[3], ys[3], jnp.array(True))
+    return step, (params, state), (new_params, new_state)
+
+
+def test_nan_update_from_the_inner_optimizer_is_skipped():
+    step, (params, state), (new_params, new_state) = _poisoned_step(check_updates=True)
+    _, xs, ys = _init()
     # The demanding guarantee: parameters and optimizer state never become
     # non-finite, whoever produced the NaN; the step is skipped exactly.
     assert bool(_all_finite((new_params, new_state))), "a NaN update was applied"
@@ -345,3 +378,13 @@ def test_nan_update_from_the_inner_optimizer_is_skipped():
     after, after_state = step(new_params, new_state, xs[0], ys[0], jnp.array(False))
     assert not bool(after_state.last_step_skipped)
     assert not np.array_equal(np.asarray(after["w1"]), np.asarray(params["w1"]))
+
+
+def test_without_the_updates_check_a_nan_update_is_applied_as_torch_does():
+    # check_updates=False trusts the inner optimizer, as torch's GradScaler
+    # does: finite gradients, so the step is taken, NaN and all.
+    _, (params, state), (new_params, new_state) = _poisoned_step(check_updates=False)
+    assert not bool(new_state.last_step_skipped) and int(new_state.skipped_steps) == 0
+    assert np.isnan(np.asarray(new_params["w1"])).all()
+    # ... and the step counts as a success: the 4th in a row grows the scale.
+    assert float(new_state.scale) == 2 * float(state.scale) == 2 * INIT_SCALE
