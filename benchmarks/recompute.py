@@ -20,8 +20,10 @@ Limits: it counts equations, not kernels. The bytes are those each recomputed
 equation reads and writes (its operands and results, literals aside), the traffic
 of running them one by one; XLA fuses an elementwise chain into one kernel that
 reads the kept input and writes the values the backward needs, so the traffic on a
-device is smaller. A recomputed equation inside a loop counts once per iteration of
-a `scan` and once for a `while` loop (whose trip count a trace does not know).
+device is smaller: ``recomputed_boundary_bytes`` counts only what the recomputation
+reads from outside itself and hands to the rest of the backward pass. A recomputed
+equation inside a loop counts once per iteration of a `scan` and once for a `while`
+loop (whose trip count a trace does not know).
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class _Tally:
         self.equations = 0
         self.bytes = 0
         self.by_primitive = collections.Counter()
+        self.boundary = 0
+        self.recomputed = set()  # the values recomputed equations write
+        self.crossed = set()  # values counted in `boundary`
 
     def add(self, eqn, times: int) -> None:
         name = eqn.primitive.name
@@ -62,6 +67,18 @@ class _Tally:
         self.products += times * (name in PRODUCTS)
         self.bytes += times * moved
         self.by_primitive[name] += times * moved
+        self._cross([v for v in eqn.invars if _is_var(v) and v not in self.recomputed], times)
+        self.recomputed.update(eqn.outvars)
+
+    def read(self, values, times: int) -> None:
+        """Values read by the rest of the backward pass: recomputed ones cross out."""
+        self._cross([v for v in values if _is_var(v) and v in self.recomputed], times)
+
+    def _cross(self, values, times: int) -> None:
+        for v in values:
+            if v not in self.crossed:
+                self.crossed.add(v)
+                self.boundary += times * _nbytes(v)
 
 
 def _walk(jaxpr, tainted_in, in_backward_remat: bool, times: int, tally: _Tally) -> list[bool]:
@@ -77,11 +94,14 @@ def _walk(jaxpr, tainted_in, in_backward_remat: bool, times: int, tally: _Tally)
     for eqn in jaxpr.eqns:
         ins = [dep(v) for v in eqn.invars]
         outs = _call(eqn, ins, in_backward_remat, times, tally)
-        if outs is None:  # no sub-program: a primitive
-            if in_backward_remat and not any(ins):
-                tally.add(eqn, times)
+        if outs is None and in_backward_remat and not any(ins):  # a recomputed primitive
+            tally.add(eqn, times)
+        else:
+            tally.read(eqn.invars, times)
+        if outs is None:
             outs = [any(ins)] * len(eqn.outvars)
         tainted.update(v for v, t in zip(eqn.outvars, outs) if t)
+    tally.read(jaxpr.outvars, times)
     return [dep(v) for v in jaxpr.outvars]
 
 
@@ -127,7 +147,10 @@ def recompute_report(fun, *args) -> dict:
 
     ``recomputed_products``: matrix products and convolutions computed again;
     ``recomputed_equations``: all equations computed again; ``recomputed_bytes``:
-    the bytes those equations read and write, also ``by_primitive``.
+    the bytes those equations read and write, also ``by_primitive``;
+    ``recomputed_boundary_bytes``: the values the recomputation starts from and
+    those it hands to the rest of the backward pass, each once: what it reads and
+    writes if it runs as one fused kernel.
     """
     out_shape = jax.eval_shape(fun, *args)
 
@@ -145,5 +168,6 @@ def recompute_report(fun, *args) -> dict:
         recomputed_products=tally.products,
         recomputed_equations=tally.equations,
         recomputed_bytes=tally.bytes,
+        recomputed_boundary_bytes=tally.boundary,
         recomputed_by_primitive=dict(tally.by_primitive.most_common()),
     )
