@@ -80,6 +80,15 @@ class _Tally:
                 self.crossed.add(v)
                 self.boundary += times * _nbytes(v)
 
+    def alias(self, inner, outer) -> None:
+        """Values of a sub-program (`inner`) that are values of its caller
+        (`outer`), either way: one value, recomputed and crossing once."""
+        for a, b in zip(outer, inner):
+            if _is_var(a) and _is_var(b):
+                for seen in (self.recomputed, self.crossed):
+                    if a in seen:
+                        seen.add(b)
+
 
 def _walk(jaxpr, tainted_in, in_backward_remat: bool, times: int, tally: _Tally) -> list[bool]:
     """Walks `jaxpr` whose invars depend on the cotangent where `tainted_in` says;
@@ -94,15 +103,28 @@ def _walk(jaxpr, tainted_in, in_backward_remat: bool, times: int, tally: _Tally)
     for eqn in jaxpr.eqns:
         ins = [dep(v) for v in eqn.invars]
         outs = _call(eqn, ins, in_backward_remat, times, tally)
-        if outs is None and in_backward_remat and not any(ins):  # a recomputed primitive
-            tally.add(eqn, times)
-        else:
-            tally.read(eqn.invars, times)
-        if outs is None:
+        if outs is None:  # a primitive
+            if in_backward_remat and not any(ins):
+                tally.add(eqn, times)
+            else:
+                tally.read(eqn.invars, times)
             outs = [any(ins)] * len(eqn.outvars)
         tainted.update(v for v, t in zip(eqn.outvars, outs) if t)
-    tally.read(jaxpr.outvars, times)
     return [dep(v) for v in jaxpr.outvars]
+
+
+def _enter(sub, outer_ins, tally, in_remat, times, ins) -> list[bool]:
+    """Walks `sub`, a sub-program of an equation that passes it `outer_ins`;
+    returns which of its results depend on the cotangent."""
+    inner, _ = _compat.jaxpr_and_consts(sub)
+    tally.alias(inner.invars, outer_ins)
+    outs = _walk(inner, ins, in_remat, times, tally)
+    tally.alias(outer_ins, inner.invars)  # what crossed inside has crossed
+    return outs
+
+
+def _leave(sub, outer_outs, tally) -> None:
+    tally.alias(outer_outs, _compat.jaxpr_and_consts(sub)[0].outvars)
 
 
 def _call(eqn, ins, in_backward_remat, times, tally):
@@ -122,20 +144,28 @@ def _call(eqn, ins, in_backward_remat, times, tally):
             if carry == ins[n_consts : n_consts + n_carry]:
                 break
             ins[n_consts : n_consts + n_carry] = carry
-        return _walk(body, ins, in_backward_remat, times * eqn.params["length"], tally)
+        length = times * eqn.params["length"]
+        outs = _enter(body, eqn.invars, tally, in_backward_remat, length, ins)
+        _leave(body, eqn.outvars, tally)
+        return outs
     if name == "cond":
         outs = [any(ins)] * n_out
         for branch in eqn.params["branches"]:
-            got = _walk(branch, ins[1:], in_backward_remat, times, tally)
+            got = _enter(branch, eqn.invars[1:], tally, in_backward_remat, times, ins[1:])
+            _leave(branch, eqn.outvars, tally)
             outs = [a or b or ins[0] for a, b in zip(outs, got)]
         return outs
     inner = [j for j in subs if len(_compat.jaxpr_and_consts(j)[0].invars) == len(ins)]
     if len(subs) == 1 and inner:  # a call: jit, remat, custom_jvp/vjp, shard_map, ...
         remat = in_backward_remat or (name in REMAT and any(ins))
-        outs = _walk(inner[0], ins, remat, times, tally)
-        return outs if len(outs) == n_out else [any(ins)] * n_out
+        outs = _enter(inner[0], eqn.invars, tally, remat, times, ins)
+        if len(outs) != n_out:
+            return [any(ins)] * n_out
+        _leave(inner[0], eqn.outvars, tally)
+        return outs
     # Anything else (a while loop, ...): its bodies are walked with every input
     # taken as the cotangent's if any is, so only cotangent-free loops count.
+    tally.read(eqn.invars, times)
     for sub in subs:
         n_in = len(_compat.jaxpr_and_consts(sub)[0].invars)
         _walk(sub, [any(ins)] * n_in, in_backward_remat, times, tally)
@@ -164,6 +194,7 @@ def recompute_report(fun, *args) -> dict:
     tainted = [False] * (len(jaxpr.invars) - n_ct) + [True] * n_ct
     tally = _Tally()
     _walk(jaxpr, tainted, False, 1, tally)
+    tally.read(jaxpr.outvars, 1)
     return dict(
         recomputed_products=tally.products,
         recomputed_equations=tally.equations,

@@ -31,13 +31,16 @@ def test_nothing_is_recomputed_without_checkpoint():
     assert (r["recomputed_products"], r["recomputed_equations"], r["recomputed_bytes"]) == (0, 0, 0)
 
 
-def test_an_elementwise_recomputation_is_counted_in_bytes():
+@pytest.mark.parametrize("jit", [False, True])
+def test_an_elementwise_recomputation_is_counted_in_bytes(jit):
     # d/dx sin(x) * 2 = 2 cos(x): the backward pass computes cos(x) from the kept x,
-    # reading n float32 values and writing n. sin itself is not needed again.
+    # reading n float32 values and writing n. sin itself is not needed again. A jit
+    # inside the checkpointed function changes nothing.
     n = 1000
 
     def loss(x):
-        return jax.checkpoint(lambda x: jnp.sin(x) * 2.0)(x).sum()
+        f = jax.jit(jnp.sin) if jit else jnp.sin
+        return jax.checkpoint(lambda x: f(x) * 2.0)(x).sum()
 
     r = recompute.recompute_report(loss, spec((n,)))
     assert r["recomputed_products"] == 0
