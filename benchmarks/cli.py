@@ -20,7 +20,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from benchmarks import compile_options, gpu, memory, report, stablehlo, timing
+from benchmarks import compile_options, gpu, memory, recompute, report, stablehlo, timing
 from benchmarks.models import SIZES
 from benchmarks.variants import VARIANTS, loss_fn, step_specs, train_step
 
@@ -93,9 +93,14 @@ def metadata(argv: list[str], mode: str) -> dict:
 
 
 def traced_measurements(spec, names) -> tuple[dict, dict]:
-    """Activation memory and precision coverage of each variant: traced, not timed."""
+    """Activation memory (with the backward pass's recomputation) and precision
+    coverage of each variant: traced, not timed."""
     params, batch = spec.param_spec(), spec.batch_spec()
-    mem = {n: memory.memory_report(loss_fn(spec, VARIANTS[n]), params, batch) for n in names}
+    mem = {}
+    for n in names:
+        loss = loss_fn(spec, VARIANTS[n])
+        mem[n] = memory.memory_report(loss, params, batch)
+        mem[n].update(recompute.recompute_report(loss, params, batch))
     cov = {}
     for n in names:
         step, tx = train_step(spec, VARIANTS[n])

@@ -33,6 +33,7 @@ def memory_table(mem: dict) -> str:
                 f"{act / mem[base]['activation_bytes']:.3f}" if base else "",
                 f"{f32_share:.0%}",
                 m["forward_float_casts"],
+                *_recomputed_cells(m, size),
             ]
         )
     return _table(
@@ -43,9 +44,31 @@ def memory_table(mem: dict) -> str:
             "x hand-cast",
             "float32 share",
             "float casts (fwd)",
+            f"recomputed {unit} (bwd reads+writes)",
+            "x activation",
+            f"recomputed {unit} as one kernel",
+            "products recomputed",
         ],
         rows,
     )
+
+
+def _recomputed_cells(m: dict, size: int) -> list:
+    """What the backward pass computes again (benchmarks/recompute.py): the bytes
+    its recomputed equations read and write, one by one and as one fused kernel,
+    and the matrix products among them.
+    Blank for results measured before these were."""
+    if "recomputed_bytes" not in m:
+        return ["", "", "", ""]
+    moved = m["recomputed_bytes"]
+    share = moved / m["activation_bytes"] if m["activation_bytes"] else 0.0
+    fused = m["recomputed_boundary_bytes"]
+    return [
+        f"{moved / size:,.0f}",
+        f"{share:.3f}",
+        f"{fused / size:,.0f}",
+        m["recomputed_products"],
+    ]
 
 
 def coverage_table(cov: dict) -> str:
@@ -203,6 +226,8 @@ def targets(out: dict) -> list[dict]:
                 m["activation_bytes"] / mem[base]["activation_bytes"],
                 1.05,
             )
+            if "recomputed_products" in m:
+                check(f"{family} {name} products recomputed (bwd)", m["recomputed_products"], 0)
     for family, cov in out["coverage"].items():
         for name, c in cov.items():
             if name.startswith("autocast"):

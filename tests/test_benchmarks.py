@@ -61,6 +61,12 @@ def test_memory(results):
         assert "bfloat16" in mem["handcast-bf16"]["by_dtype"]
         assert "bfloat16" in mem["autocast-bf16"]["by_dtype"]
         assert "bfloat16" not in mem["float32"]["by_dtype"]
+        # No variant computes a matrix product again in its backward pass; only
+        # autocast's rematerialized regions recompute anything (tests/test_recompute.py).
+        assert all(m["recomputed_products"] == 0 for m in mem.values())
+        for name in ("float32", "handcast-f16", "handcast-bf16"):
+            assert mem[name]["recomputed_bytes"] == 0
+    assert out["memory"]["gpt"]["autocast-bf16"]["recomputed_bytes"] > 0  # its GELUs
 
 
 def test_coverage(results):
@@ -96,6 +102,7 @@ def test_targets_table(results):
     whats = [t["what"] for t in out["targets"]]
     assert any("activation bytes / float32" in w for w in whats)
     assert any("in 16 bit" in w for w in whats)
+    assert any("products recomputed" in w for w in whats)
     assert all(isinstance(t["met"], bool) for t in out["targets"])
 
 
