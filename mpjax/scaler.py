@@ -116,18 +116,14 @@ def grad_scaler(
       init_scale: the initial scale, a finite positive number.
       growth_factor: factor the scale grows by, > 1.
       backoff_factor: factor the scale shrinks by on a skipped step, in (0, 1).
-      growth_interval: number of consecutive finite steps before growth, an
-        integer >= 1.
-      min_scale: floor of the scale, a normal float32 number (>= 2**-126) no
-        larger than ``init_scale``.
-      enabled: if False, a no-op scaler: the scale is 1.0, gradients pass through
-        unchanged and ``inner``'s updates are always applied (the state keeps the
-        same structure, so checkpoints are interchangeable).
+      growth_interval: consecutive finite steps before growth, an integer >= 1.
+      min_scale: floor of the scale, a normal float32 (>= 2**-126), <= ``init_scale``.
+      enabled: if False, a no-op scaler: scale 1.0, gradients unchanged, ``inner``'s
+        updates always applied (same state structure: checkpoints interchange).
       accumulation_steps: number k of micro-batches per effective batch: each
-        ``update`` takes one micro-batch's gradients, accumulated in float32; the
-        k-th checks them, steps ``inner`` and updates the scale. The others return
-        zero updates. The accumulator is reset by selection (not by ``* 0`` as
-        ``optax.MultiSteps``), so an inf cannot poison the next effective batch.
+        ``update`` adds one micro-batch's gradients in float32 (and returns zero
+        updates); the k-th checks them, steps ``inner`` and updates the scale. The
+        reset is a selection (not ``* 0``): an inf cannot poison the next batch.
       accumulation: required with ``accumulation_steps > 1``: ``"mean"`` if each
         micro-batch's loss is a mean over its own examples (as ``optax.MultiSteps``),
         ``"sum"`` if the loss is already divided by k (PyTorch's recipe). Both give
@@ -136,14 +132,9 @@ def grad_scaler(
         gradients: the mapped axis name (or names) over which the finite check is
         combined, so every device makes the same skip decision. Not needed under plain
         ``jit`` with sharded arrays, where the check is already global.
-      check_updates: also skip a step whose gradients are finite but whose
-        updates are not (``inner`` itself produced an inf or a NaN: adam with
-        ``eps=0`` on zero gradients, a transform gone wrong), so that parameters
-        and optimizer state never become non-finite, whoever produced the NaN; the
-        scale neither grows nor backs off on such a step. This costs a pass over
-        the updates and one over ``inner``'s new and old state. False checks the
-        gradients only, as torch's GradScaler does: one reduction per leaf, and
-        XLA folds the skip into ``inner``'s own passes (see the benchmarks page).
+      check_updates: also skip a step whose updates ``inner`` made non-finite from
+        finite gradients (the scale holds), so parameters never become non-finite.
+        False checks the gradients only, as torch does: faster (docs/loss_scaling.md).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -171,10 +162,8 @@ def grad_scaler(
       (Array([0., 0., 0.], dtype=float32), Array(512., dtype=float32))
     """
     settings = (init_scale, growth_factor, backoff_factor, growth_interval, min_scale, enabled)
-    config = grad_scaler_config(
-        *settings, accumulation_steps, accumulation, axis_name, check_updates
-    )
-    return _loss_scaler(inner, config)
+    extra = (accumulation_steps, accumulation, axis_name, check_updates)
+    return _loss_scaler(inner, grad_scaler_config(*settings, *extra))
 
 
 def static_scaler(
