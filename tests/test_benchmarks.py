@@ -9,13 +9,19 @@ import pathlib
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 # `benchmarks/` sits beside `mpjax/` in the repository and is not installed.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 benchmarks = importlib.import_module("benchmarks")
 stablehlo = importlib.import_module("benchmarks.stablehlo")
-VARIANTS = importlib.import_module("benchmarks.variants").VARIANTS
+compile_options = importlib.import_module("benchmarks.compile_options")
+variants = importlib.import_module("benchmarks.variants")
+VARIANTS = variants.VARIANTS
+FAMILIES = importlib.import_module("benchmarks.cli").FAMILIES
+SIZES = importlib.import_module("benchmarks.models").SIZES
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +55,8 @@ def test_json_matches_returned_results(results):
 
 def test_memory(results):
     _, out = results
-    for family in ("gpt", "resnet"):
+    assert set(out["memory"]) == set(FAMILIES) == {"gpt", "vit", "resnet", "resnet_bn"}
+    for family in FAMILIES:
         mem = out["memory"][family]
         assert set(mem) == set(VARIANTS)
         for m in mem.values():
@@ -71,7 +78,7 @@ def test_memory(results):
 
 def test_coverage(results):
     _, out = results
-    for family in ("gpt", "resnet"):
+    for family in FAMILIES:
         cov = out["coverage"][family]
         flops = {c["matmul_flops"] for c in cov.values()}
         assert len(flops) == 1 and flops.pop() > 0  # every variant does the same matrix work
@@ -95,6 +102,37 @@ def test_timings_are_positive(results):
     fid = out["fidelity"]["gpt"]
     assert fid["float32"]["grad_rel_err"] == 0.0
     assert all(math.isfinite(v["loss"]) and v["grad_rel_err"] < 0.2 for v in fid.values())
+
+
+def test_batch_norm_statistics_are_threaded_through_the_step():
+    """The BatchNorm ResNet's running statistics are its `state`, apart from the
+    parameters the optimizer trains: every variant's loss returns them updated, in
+    float32, near float32's; the training step hands them on."""
+    spec = SIZES["smoke"]["resnet_bn"]
+    assert spec.mutable == ("batch_stats",)
+    params, state = spec.init()
+    assert set(params) == {"params"} and set(state) == {"batch_stats"}
+    batch = spec.batch(jax.random.key(1))
+    new = {}
+    # The hand-cast float16 model sums in 16 bits (see `results`): the guard is lifted.
+    with jax.allow_f16_reductions(True):
+        for name, variant in VARIANTS.items():
+            loss, new[name] = jax.jit(variants.loss_fn(spec, variant))(params, state, batch)
+            assert math.isfinite(float(loss)), name
+    moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), new["float32"], state)
+    assert max(jax.tree.leaves(moved)) > 0.01  # the running averages were updated
+    for name, stats in new.items():
+        assert jax.tree.structure(stats) == jax.tree.structure(state), name
+        assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(stats)), name
+        close = jax.tree.map(
+            lambda a, b: bool(jnp.allclose(a, b, rtol=0.05, atol=0.02)), stats, new["float32"]
+        )
+        assert all(jax.tree.leaves(close)), name
+    # The step (autocast, grad scaler, has_aux) returns the loss's new statistics.
+    step, tx = variants.train_step(spec, VARIANTS["autocast-f16"])
+    fast = jax.jit(step, compiler_options=compile_options.FAST_COMPILE)
+    _, stepped, _, _ = fast(params, state, tx.init(params), batch)
+    jax.tree.map(np.testing.assert_array_equal, stepped, new["autocast-f16"])
 
 
 def test_targets_table(results):
