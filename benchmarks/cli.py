@@ -22,9 +22,9 @@ import jax.numpy as jnp
 
 from benchmarks import compile_options, gpu, memory, recompute, report, stablehlo, timing
 from benchmarks.models import SIZES
-from benchmarks.variants import VARIANTS, loss_fn, step_specs, train_step
+from benchmarks.variants import VARIANTS, step_specs, train_step, value_fn
 
-FAMILIES = ("gpt", "resnet")
+FAMILIES = ("gpt", "vit", "resnet", "resnet_bn")
 
 # Per mode: the size of each measurement, and how many repeats the timings take.
 # Memory and coverage only trace, so they use the largest size of the mode; run
@@ -71,7 +71,7 @@ MODES = {
 coverage only trace, so they take the mode's largest size; run times need a size the
 CPU can run many times. --smoke and --quick time one model and a few variants
 (`variants`; None: all), without warm-up rounds, to stay within their budgets (a
-test's; 2 minutes); the full run times both models and every variant."""
+test's; 2 minutes); the full run times every model and every variant."""
 
 COMPILE_VARIANTS = ["float32", "autocast-bf16", "handcast-bf16"]
 """Same optimizer (adamw) in all three: autocast against none, and against casting by hand."""
@@ -95,12 +95,12 @@ def metadata(argv: list[str], mode: str) -> dict:
 def traced_measurements(spec, names) -> tuple[dict, dict]:
     """Activation memory (with the backward pass's recomputation) and precision
     coverage of each variant: traced, not timed."""
-    params, batch = spec.param_spec(), spec.batch_spec()
+    (params, state), batch = spec.param_spec(), spec.batch_spec()
     mem = {}
     for n in names:
-        loss = loss_fn(spec, VARIANTS[n])
-        mem[n] = memory.memory_report(loss, params, batch)
-        mem[n].update(recompute.recompute_report(loss, params, batch))
+        loss = value_fn(spec, VARIANTS[n])
+        mem[n] = memory.memory_report(loss, params, state, batch)
+        mem[n].update(recompute.recompute_report(loss, params, state, batch))
     cov = {}
     for n in names:
         step, tx = train_step(spec, VARIANTS[n])

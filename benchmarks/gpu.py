@@ -40,22 +40,22 @@ def worker(
 
     spec = SIZES[size][family]
     step, tx = train_step(spec, VARIANTS[variant_name])
-    step = jax.jit(step, donate_argnums=(0, 1))  # update params and state in place
-    params = spec.init(0)
+    step = jax.jit(step, donate_argnums=(0, 1, 2))  # update params and states in place
+    params, state = spec.init(0)
     opt_state = tx.init(params)
     batch = spec.batch(jax.random.key(1))
 
     t0 = time.perf_counter()
-    compiled = step.lower(params, opt_state, batch).compile()
+    compiled = step.lower(params, state, opt_state, batch).compile()
     compile_s = time.perf_counter() - t0
     for _ in range(2):  # warm-up
-        params, opt_state, loss = compiled(params, opt_state, batch)
+        params, state, opt_state, loss = compiled(params, state, opt_state, batch)
     jax.block_until_ready(loss)
     times = []
     for _ in range(windows):
         t0 = time.perf_counter()
         for _ in range(steps):
-            params, opt_state, loss = compiled(params, opt_state, batch)
+            params, state, opt_state, loss = compiled(params, state, opt_state, batch)
         jax.block_until_ready((params, loss))
         times.append((time.perf_counter() - t0) / steps)
     step_s = statistics.median(times)

@@ -1,6 +1,6 @@
 """The deterministic half of the CPU benchmarks, alone: activation memory and
 precision coverage at the full mode's size. They only trace and lower, so they take
-a minute or two and need no quiet machine.
+a few minutes and need no quiet machine.
 
     PYTHONPATH=. python -m benchmarks.static --json cpu_static.json
 """

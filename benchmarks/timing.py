@@ -19,7 +19,7 @@ import mpjax
 from benchmarks import compile_options
 from benchmarks.models import ModelSpec
 from benchmarks.compile_options import jit
-from benchmarks.variants import VARIANTS, forward, loss_fn, step_specs, train_step
+from benchmarks.variants import VARIANTS, forward, step_specs, train_step, value_fn
 
 
 def interleaved(
@@ -81,15 +81,15 @@ def _step_runner(spec: ModelSpec, variant_name: str, scaler: bool, steps: int) -
     """A closure timing `steps` jitted training steps (compiled on first use)."""
     step, tx = train_step(spec, VARIANTS[variant_name], scaler=scaler)
     step = jit(step)
-    params = spec.init(0)
-    state = [params, tx.init(params)]
+    params, model_state = spec.init(0)
+    state = [params, model_state, tx.init(params)]
     batch = spec.batch(jax.random.key(1))
     jax.block_until_ready(step(*state, batch))
 
     def run() -> dict[str, float]:
         t0 = time.perf_counter()
         for _ in range(steps):
-            state[0], state[1], loss = step(state[0], state[1], batch)
+            state[0], state[1], state[2], loss = step(*state, batch)
         jax.block_until_ready((state, loss))
         return dict(step=(time.perf_counter() - t0) / steps)
 
@@ -128,13 +128,13 @@ def eager_overhead(spec: ModelSpec, low_dtype, repeats: int, warmup: bool = True
     """
     plain = forward(spec, VARIANTS["float32"])
     cast = mpjax.autocast(plain, dtype=low_dtype)
-    params = spec.init(0)
+    params, state = spec.init(0)
     inputs = spec.batch(jax.random.key(1))["inputs"]
 
     def timed(fn):
         def run():
             t0 = time.perf_counter()
-            jax.block_until_ready(fn(params, inputs))
+            jax.block_until_ready(fn(params, state, inputs))
             return dict(call=time.perf_counter() - t0)
 
         return run
@@ -161,9 +161,11 @@ def _rel(a, b) -> float:
 
 def fidelity(spec: ModelSpec, names: list[str]) -> dict:
     """Relative error of each variant's loss and gradients against float32's."""
-    params = spec.init(0)
+    params, state = spec.init(0)
     batch = spec.batch(jax.random.key(1))
-    out = {n: jit(jax.value_and_grad(loss_fn(spec, VARIANTS[n])))(params, batch) for n in names}
+    out = {
+        n: jit(jax.value_and_grad(value_fn(spec, VARIANTS[n])))(params, state, batch) for n in names
+    }
     ref_loss, ref_grads = out["float32"]
     return {
         n: dict(

@@ -70,21 +70,42 @@ if "policy" in inspect.signature(mpjax.autocast).parameters:
 
 
 def forward(spec: ModelSpec, variant: Variant) -> Callable:
-    """``apply(params, inputs) -> logits`` of the model in this variant."""
+    """``apply(params, state, inputs) -> (logits, state)`` of the model in this variant.
+
+    `state` is the collections the model updates as it trains (`ModelSpec.mutable`:
+    BatchNorm's running statistics), passed in and returned updated; ``{}`` for a
+    model without any.
+    """
     apply = spec.module(variant.module_dtype).apply
     if variant.autocast is not None:
         apply = mpjax.autocast(apply, dtype=variant.autocast, **variant.autocast_kwargs)
-    return apply
+    mutable = list(spec.mutable)
+
+    def run(params, state, inputs):
+        if not mutable:
+            return apply(params, inputs), state
+        return apply({**params, **state}, inputs, mutable=mutable)
+
+    return run
 
 
 def loss_fn(spec: ModelSpec, variant: Variant) -> Callable:
-    """``loss(params, batch) -> scalar float32``."""
+    """``loss(params, state, batch) -> (scalar float32, state)``: the updated state is
+    the auxiliary output (``has_aux=True``)."""
     apply = forward(spec, variant)
 
-    def loss(params, batch):
-        return cross_entropy(apply(params, batch["inputs"]), batch["targets"])
+    def loss(params, state, batch):
+        logits, state = apply(params, state, batch["inputs"])
+        return cross_entropy(logits, batch["targets"]), state
 
     return loss
+
+
+def value_fn(spec: ModelSpec, variant: Variant) -> Callable:
+    """``loss(params, state, batch) -> scalar float32``: the loss alone, as `jax.vjp`
+    and `jax.grad` without ``has_aux`` take it (the state update is left out)."""
+    loss = loss_fn(spec, variant)
+    return lambda params, state, batch: loss(params, state, batch)[0]
 
 
 def optimizer(variant: Variant, scaler: bool | None = None) -> optax.GradientTransformation:
@@ -98,25 +119,26 @@ def train_step(
 ) -> tuple[Callable, Any]:
     """``(step, tx)``: one full training step (forward, backward, optimizer), unjitted.
 
-    ``step(params, opt_state, batch) -> (params, opt_state, loss)``. A new function
-    each call, so that jit's caches never hand a compiled step to a timing.
+    ``step(params, state, opt_state, batch) -> (params, state, opt_state, loss)``. A
+    new function each call, so that jit's caches never hand a compiled step to a timing.
     """
     loss = loss_fn(spec, variant)
     scaled = variant.scaler if scaler is None else scaler
     tx = optimizer(variant, scaled)
 
-    def step(params, opt_state, batch):
+    def step(params, state, opt_state, batch):
         if scaled:
-            value, grads = mpjax.scaled_value_and_grad(loss, opt_state)(params, batch)
+            grad_fn = mpjax.scaled_value_and_grad(loss, opt_state, has_aux=True)
         else:
-            value, grads = jax.value_and_grad(loss)(params, batch)
+            grad_fn = jax.value_and_grad(loss, has_aux=True)
+        (value, state), grads = grad_fn(params, state, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
+        return optax.apply_updates(params, updates), state, opt_state, value
 
     return step, tx
 
 
 def step_specs(spec: ModelSpec, tx) -> tuple:
-    """Abstract (params, opt_state, batch): enough to trace, lower and compile."""
-    params = spec.param_spec()
-    return params, jax.eval_shape(tx.init, params), spec.batch_spec()
+    """Abstract (params, state, opt_state, batch): enough to trace, lower and compile."""
+    params, state = spec.param_spec()
+    return params, state, jax.eval_shape(tx.init, params), spec.batch_spec()

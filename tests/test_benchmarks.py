@@ -9,13 +9,19 @@ import pathlib
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 # `benchmarks/` sits beside `mpjax/` in the repository and is not installed.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 benchmarks = importlib.import_module("benchmarks")
 stablehlo = importlib.import_module("benchmarks.stablehlo")
-VARIANTS = importlib.import_module("benchmarks.variants").VARIANTS
+compile_options = importlib.import_module("benchmarks.compile_options")
+variants = importlib.import_module("benchmarks.variants")
+VARIANTS = variants.VARIANTS
+FAMILIES = importlib.import_module("benchmarks.cli").FAMILIES
+SIZES = importlib.import_module("benchmarks.models").SIZES
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +55,8 @@ def test_json_matches_returned_results(results):
 
 def test_memory(results):
     _, out = results
-    for family in ("gpt", "resnet"):
+    assert set(out["memory"]) == set(FAMILIES) == {"gpt", "vit", "resnet", "resnet_bn"}
+    for family in FAMILIES:
         mem = out["memory"][family]
         assert set(mem) == set(VARIANTS)
         for m in mem.values():
@@ -71,7 +78,7 @@ def test_memory(results):
 
 def test_coverage(results):
     _, out = results
-    for family in ("gpt", "resnet"):
+    for family in FAMILIES:
         cov = out["coverage"][family]
         flops = {c["matmul_flops"] for c in cov.values()}
         assert len(flops) == 1 and flops.pop() > 0  # every variant does the same matrix work
@@ -95,6 +102,41 @@ def test_timings_are_positive(results):
     fid = out["fidelity"]["gpt"]
     assert fid["float32"]["grad_rel_err"] == 0.0
     assert all(math.isfinite(v["loss"]) and v["grad_rel_err"] < 0.2 for v in fid.values())
+
+
+def test_batch_norm_statistics_are_threaded_through_the_step():
+    """The BatchNorm ResNet's running statistics are its `state`, apart from the
+    parameters the optimizer trains: every variant's loss returns them in float32, and
+    the training step (autocast, grad scaler, ``has_aux``) updates them near float32's."""
+    spec = SIZES["smoke"]["resnet_bn"]
+    assert spec.mutable == ("batch_stats",)
+    params, state = spec.param_spec()
+    assert set(params) == {"params"} and set(state) == {"batch_stats"}
+    # Random values from numpy: nothing to compile (jitted init costs seconds).
+    rng = np.random.default_rng(0)
+
+    def fill(s):
+        return jnp.asarray(rng.normal(0.0, 0.3, s.shape), s.dtype)
+
+    params, state = jax.tree.map(fill, params), jax.tree.map(jnp.zeros_like, state)
+    batch = spec.batch_spec()
+    batch = dict(inputs=fill(batch["inputs"]), targets=jnp.arange(spec.config.batch) % 10)
+    # The hand-cast float16 model sums in 16 bits (see `results`): the guard is lifted.
+    with jax.allow_f16_reductions(True):
+        for name, variant in VARIANTS.items():
+            _, stats = jax.eval_shape(variants.loss_fn(spec, variant), params, state, batch)
+            assert jax.tree.structure(stats) == jax.tree.structure(state), name
+            assert {leaf.dtype for leaf in jax.tree.leaves(stats)} == {jnp.dtype("float32")}, name
+    _, want = jax.jit(variants.loss_fn(spec, VARIANTS["float32"]))(params, state, batch)
+    step, tx = variants.train_step(spec, VARIANTS["autocast-f16"])
+    fast = jax.jit(step, compiler_options=compile_options.FAST_COMPILE)
+    _, got, _, loss = fast(params, state, tx.init(params), batch)
+    assert math.isfinite(float(loss))
+    moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), got, state)
+    assert max(jax.tree.leaves(moved)) > 0.01  # the running averages were updated
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(g, w, rtol=0.05, atol=0.02)
 
 
 def test_targets_table(results):

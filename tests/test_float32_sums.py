@@ -25,7 +25,7 @@ from conftest import BF16, F16, F32, all_eqns, rel_tol
 from models import model_cases
 
 from benchmarks.models import SIZES
-from benchmarks.variants import VARIANTS, loss_fn
+from benchmarks.variants import VARIANTS, value_fn
 
 SUMS = frozenset(
     {
@@ -98,29 +98,31 @@ def test_the_guard_is_on_for_the_suite():
 
 
 # --------------------------------------------------------------------------
-# Whole models: tests/models.py, and the benchmark GPT and ResNet at their
-# smallest size, every policy and dtype.
+# Whole models: tests/models.py, and the benchmark models (GPT, ViT, ResNet with
+# GroupNorm and with BatchNorm) at their smallest size, every policy and dtype.
 
 MODELS = model_cases()
 POLICIES = ["torch", "lean"]
 LOWS = [jnp.float16, jnp.bfloat16]
+BENCH_FAMILIES = list(SIZES["smoke"])
 
 
 def _bench_case(family):
+    """``(params, state, batch)``; `state` holds BatchNorm's statistics, or is empty."""
     spec = SIZES["smoke"][family]
-    return spec.init(), spec.batch(jax.random.key(1))
+    return (*spec.init(), spec.batch(jax.random.key(1)))
 
 
 @functools.cache
 def _bench_cases():
-    return {family: _bench_case(family) for family in ("gpt", "resnet")}
+    return {family: _bench_case(family) for family in BENCH_FAMILIES}
 
 
 def _bench_loss(family, low, policy):
     spec = SIZES["smoke"][family]
     suffix = "" if policy == "torch" else "-lean"
     variant = VARIANTS[f"autocast-{'f16' if low == jnp.float16 else 'bf16'}{suffix}"]
-    return loss_fn(spec, variant)
+    return value_fn(spec, variant)
 
 
 def _all_programs():
@@ -132,11 +134,11 @@ def _all_programs():
             (lambda low, policy, loss=loss: mpjax.autocast(loss, dtype=low, policy=policy)),
             (params, *inputs),
         )
-    for family in ("gpt", "resnet"):
+    for family in BENCH_FAMILIES:
         spec = SIZES["smoke"][family]
         yield (
             f"bench-{family}",
-            loss_fn(spec, VARIANTS["float32"]),
+            value_fn(spec, VARIANTS["float32"]),
             (lambda low, policy, family=family: _bench_loss(family, low, policy)),
             family,
         )
@@ -182,22 +184,21 @@ def test_forward_mode_has_no_16_bit_sum(name, reference, make, args, policy):
 @functools.cache
 def _float32_gradients(family):
     """The float32 reference, compiled once per model for the four cases below."""
-    params, batch = _bench_cases()[family]
     spec = SIZES["smoke"][family]
-    return jax.jit(jax.grad(loss_fn(spec, VARIANTS["float32"])))(params, batch)
+    return jax.jit(jax.grad(value_fn(spec, VARIANTS["float32"])))(*_bench_cases()[family])
 
 
 @pytest.mark.parametrize("low", LOWS, ids=["float16", "bfloat16"])
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("family", ["gpt", "resnet"])
+@pytest.mark.parametrize("family", BENCH_FAMILIES)
 def test_benchmark_model_gradients_close_to_float32(family, policy, low):
     """The benchmark models' gradients against float32's, in the tolerance
     tests/test_autocast_models.py uses, over all parameters together: at this
     size (a batch of 2) single GroupNorm gradients nearly cancel, and their
     relative error is noise."""
-    params, batch = _bench_cases()[family]
+    params, state, batch = _bench_cases()[family]
     ref = _float32_gradients(family)
-    got = jax.jit(jax.grad(_bench_loss(family, low, policy)))(params, batch)
+    got = jax.jit(jax.grad(_bench_loss(family, low, policy)))(params, state, batch)
     chex.assert_trees_all_equal_dtypes(got, params)
     diff = sum(
         float(jnp.sum((g - r) ** 2)) for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref))

@@ -79,8 +79,8 @@ def test_a_recomputation_in_a_scan_counts_once_per_iteration():
 def test_autocast_gpt_recomputes_its_gelus_and_no_product(name):
     gpt = SIZES["smoke"]["gpt"]
     c = gpt.config
-    args = gpt.param_spec(), gpt.batch_spec()
-    r = recompute.recompute_report(variants.loss_fn(gpt, variants.VARIANTS[name]), *args)
+    args = (*gpt.param_spec(), gpt.batch_spec())
+    r = recompute.recompute_report(variants.value_fn(gpt, variants.VARIANTS[name]), *args)
     assert r["recomputed_products"] == 0
     # The default policy evaluates each MLP's tanh GELU in float32 from its 16-bit
     # input, under jax.checkpoint. Per element of that input the backward pass
@@ -99,5 +99,5 @@ def test_autocast_gpt_recomputes_its_gelus_and_no_product(name):
     # gradients are 16-bit sums, which the suite's guard forbids: lifted for it.
     hand = variants.VARIANTS[variants.VARIANTS[name].baseline]
     with jax.allow_f16_reductions(True):
-        base = recompute.recompute_report(variants.loss_fn(gpt, hand), *args)
+        base = recompute.recompute_report(variants.value_fn(gpt, hand), *args)
     assert (base["recomputed_products"], base["recomputed_bytes"]) == (0, 0)
