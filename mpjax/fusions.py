@@ -14,7 +14,12 @@ groups in a jaxpr, before it is evaluated:
   it broadcasts (fewer elements, or a broadcast of fewer). `bias_add` adds the
   bias to the product's float32 accumulator where the product kept one
   (`mpjax.first_order`), and rounds once; otherwise the bias joins the product's
-  dtype.
+  dtype. A sum that only a tanh or sigmoid reads (`SQUASHING`, through layout
+  and further sums) is handed on in float32 instead, unrounded: a recurrent
+  cell's gates (the products of its input and its state, and a bias) or a tanh
+  layer, which torch's fused LSTM and GRU cells add and squash in float32.
+  Rounding it would not shrink what the backward pass keeps: neither the sums
+  nor the squashing functions keep their operand.
 * a *pointwise function*: elementwise primitives computing one value from one
   activation and literals alone, with a float32-list primitive among them, whose
   result only matrix products read (an activation function between two layers).
@@ -38,6 +43,10 @@ from mpjax._casting import F32, convert, dtype_of
 from mpjax.policy import Rule
 
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
+SQUASHING = frozenset({"tanh", "logistic"})
+"""The gate functions a bias add's sum is handed to in float32 (`find`): their
+backward pass keeps their result, not their operand."""
+_SUMS = frozenset({"add", "sub"})
 _OUTPUT = -1  # a reader index standing for "an output of the jaxpr"
 
 
@@ -52,6 +61,8 @@ class Chain(NamedTuple):
 class Fusions(NamedTuple):
     bias_adds: frozenset = frozenset()
     """ids of the ``add`` equations of a product and its bias."""
+    float32_sums: frozenset = frozenset()
+    """ids of the bias adds whose sum is handed on in float32 (read by `SQUASHING`)."""
     chains: dict = {}
     """Chain by the index of its last equation."""
     deferred: frozenset = frozenset()
@@ -82,7 +93,10 @@ def find(jaxpr) -> Fusions:
             readers[v].append(i)
     for v in filter(_is_var, jaxpr.outvars):
         readers[v].append(_OUTPUT)
-    bias_adds = frozenset(id(e) for e in eqns if _is_bias_add(e, eqns, producer))
+    adds = [e for e in eqns if _is_bias_add(e, eqns, producer)]
+    float32_sums = frozenset(
+        id(e) for e in adds if _read_by(e.outvars[0], eqns, readers, SQUASHING, _SUMS)
+    )
     chains: dict = {}
     deferred: set = set()
     for source, members in _pointwise_groups(eqns).items():
@@ -90,7 +104,8 @@ def find(jaxpr) -> Fusions:
         if chain is not None:
             chains[chain.eqns[-1]] = chain
             deferred.update(chain.eqns[:-1])
-    return Fusions(bias_adds, chains, frozenset(deferred), _arguments(jaxpr))
+    bias_adds = frozenset(map(id, adds))
+    return Fusions(bias_adds, float32_sums, chains, frozenset(deferred), _arguments(jaxpr))
 
 
 def _arguments(jaxpr) -> frozenset:
@@ -161,34 +176,44 @@ def _chain(source, members, eqns, readers) -> Chain | None:
         and source.aval.dtype == F32
     )
     computes_float32 = any(policy.rule_for(eqns[i].primitive.name) is Rule.FLOAT32 for i in members)
-    if not (written_in_float32 and computes_float32 and _read_by_products(out, eqns, readers)):
+    if not (written_in_float32 and computes_float32 and _read_by(out, eqns, readers, _PRODUCTS)):
         return None
     return Chain(source, tuple(members), out)
 
 
-def _read_by_products(v, eqns, readers) -> bool:
-    """Whether every reader of `v` is a matrix product, directly or through layout."""
-    for i in readers[v]:
-        if i == _OUTPUT:
-            return False
-        name = eqns[i].primitive.name
-        if name in _PRODUCTS:
-            continue
-        if name not in policy.LAYOUT or not all(
-            _read_by_products(o, eqns, readers) for o in eqns[i].outvars
-        ):
-            return False
-    return True
+def _read_by(v, eqns, readers, names, through=frozenset(), seen=None) -> bool:
+    """Whether every reader of `v` is one of the primitives `names`, directly or
+    through layout (and the primitives `through`)."""
+    seen = {} if seen is None else seen  # each variable's answer, computed once
+    if v not in seen:
+        seen[v] = all(
+            i != _OUTPUT
+            and (
+                eqns[i].primitive.name in names
+                or (
+                    eqns[i].primitive.name in policy.LAYOUT | through
+                    and all(
+                        _read_by(o, eqns, readers, names, through, seen) for o in eqns[i].outvars
+                    )
+                )
+            )
+            for i in set(readers[v])
+        )
+    return seen[v]
 
 
 def joins_product(ctx, eqn, vals, weak) -> bool:
     """Whether `eqn` is a bias add (`find`) under the default policy, whose
     product arrived in the low dtype and whose bias is a float32 value (not a
-    constant, which the rule for constants keeps from widening)."""
+    constant, which the rule for constants keeps from widening). A sum handed
+    on in float32 joins a product only where it kept its float32 accumulator:
+    elsewhere the add widens, as any other."""
     low = ctx.region.dtype
     if low is None or ctx.region.lean or id(eqn) not in ctx.bias_adds:
         return False
     product = _product_operand(eqn, vals)
+    if id(eqn) in ctx.float32_sums and ctx.scope.accumulator(product) is None:
+        return False
     return (
         dtype_of(product) == low and not any(weak) and all(dtype_of(x) in (F32, low) for x in vals)
     )
@@ -196,9 +221,9 @@ def joins_product(ctx, eqn, vals, weak) -> bool:
 
 def bias_add(ctx, eqn, vals):
     """A product plus its bias (`joins_product`): the bias added to the
-    product's float32 accumulator and the sum rounded once, where the product
-    kept one. None where it did not: the caller then runs the add in the
-    product's dtype."""
+    product's float32 accumulator and the sum rounded once (kept float32 where
+    `find` hands it on so), where the product kept one. None where it did not:
+    the caller then runs the add in the product's dtype."""
     product = _product_operand(eqn, vals)
     accumulator = ctx.scope.accumulator(product)
     if accumulator is None:
@@ -206,7 +231,10 @@ def bias_add(ctx, eqn, vals):
     args = [accumulator if x is product else x for x in vals]
     if any(dtype_of(x) != F32 for x in args):
         return None
-    return [convert(o, ctx.region.dtype, False) for o in _compat.bind(eqn, *args)]
+    outs = _compat.bind(eqn, *args)
+    if id(eqn) in ctx.float32_sums:
+        return outs
+    return [convert(o, ctx.region.dtype, False) for o in outs]
 
 
 def _product_operand(eqn, vals):

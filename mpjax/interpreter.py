@@ -113,6 +113,8 @@ class Context(NamedTuple):
     """Lean policy: the variables read only by float32-list primitives."""
     bias_adds: frozenset = frozenset()
     """ids of the equations adding a bias to a product (`mpjax.fusions`)."""
+    float32_sums: frozenset = frozenset()
+    """ids of those whose sum stays float32 (read by `mpjax.fusions.SQUASHING`)."""
     arguments: frozenset = frozenset()
     """The variables holding the jaxpr's arguments (parameters), `mpjax.fusions`."""
     memo: dict | None = None
@@ -181,7 +183,9 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
     if ctx.region.lean:
         ctx = ctx._replace(float32_only=first_order.float32_only_consumers(jaxpr))
     fused = fusions.find(jaxpr) if jaxpr.eqns else fusions.NONE
-    ctx = ctx._replace(bias_adds=fused.bias_adds, arguments=fused.arguments)
+    ctx = ctx._replace(
+        bias_adds=fused.bias_adds, float32_sums=fused.float32_sums, arguments=fused.arguments
+    )
     for i, eqn in enumerate(jaxpr.eqns):
         if i in fused.deferred:
             continue  # evaluated with the pointwise function it belongs to

@@ -236,7 +236,9 @@ def test_float32_all_reduce_gives_the_single_device_gradients():
         )
 
     float32_order = distance()
-    assert float32_order <= 4 * np.finfo(np.float32).eps
+    # a few float32 ulps: the tanh computes in float32 (its input is a bias sum), so
+    # the summed terms carry float32 mantissas, whose order of addition shows
+    assert float32_order <= 8 * np.finfo(np.float32).eps
     assert distance(reduce_dtype=jnp.float16) > 100 * max(float32_order, np.finfo(np.float32).eps)
 
 

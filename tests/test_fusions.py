@@ -127,3 +127,64 @@ def test_float32_accumulator_is_for_parameters_not_activations():
     jaxpr = jax.make_jaxpr(mpjax.autocast(lambda x, w: jnp.tanh(x @ w), dtype=BF16))(x, wq)
     (dot,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
     assert dot.outvars[0].aval.dtype == F32  # a weight: its gradient sums in float32
+
+
+def _lstm_loss(params, xs):
+    """An LSTM written as Flax's OptimizedLSTMCell computes it, under lax.scan."""
+
+    def cell(carry, x):
+        c, h = carry
+        hidden = jnp.split(h @ params["wh"] + params["b"], 4, axis=-1)
+        inputs = jnp.split(x @ params["wi"], 4, axis=-1)
+        i, f, g, o = (a + b for a, b in zip(hidden, inputs))
+        c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+        h = jax.nn.sigmoid(o) * jnp.tanh(c)
+        return (c, h), h
+
+    zeros = jnp.zeros((xs.shape[1], params["wh"].shape[0]))
+    _, hs = jax.lax.scan(cell, (zeros, zeros), xs)
+    return jnp.mean(jnp.tanh(hs @ params["wo"] + params["bo"]) ** 2)
+
+
+def _lstm_params():
+    shapes = {"wi": (8, 64), "wh": (16, 64), "b": (64,), "wo": (16, 4), "bo": (4,)}
+    return {k: _w(*s, seed=i) for i, (k, s) in enumerate(shapes.items())}
+
+
+def _squashing(jaxpr):
+    return [e for e in all_eqns(jaxpr) if e.primitive.name in ("logistic", "tanh")]
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_recurrent_gates_are_summed_and_squashed_in_float32(dtype):
+    # torch's fused LSTM cell adds its two products and the bias in float32 and
+    # squashes the sum there: the bias add hands its float32 sum on, unrounded
+    params, xs = _lstm_params(), _w(6, 4, 8, seed=9)
+    loss = mpjax.autocast(_lstm_loss, dtype=dtype)
+    jaxpr = jax.make_jaxpr(loss)(params, xs)
+    squashing = _squashing(jaxpr)
+    assert len(squashing) == 6  # 3 sigmoids and 2 tanh in the cell, the head's tanh
+    assert all(e.invars[0].aval.dtype == F32 for e in squashing)
+    dots = [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
+    assert all(v.aval.dtype == dtype for e in dots for v in e.invars)  # products in 16 bits
+    grads = jax.grad(loss)(params, xs)
+    chex.assert_trees_all_equal_dtypes(grads, params)
+    reference = jax.grad(_lstm_loss)(params, xs)
+    chex.assert_trees_all_close(grads, reference, rtol=0.05, atol=2e-3)
+
+
+def test_flax_lstm_gates_read_float32():
+    cell = nn.OptimizedLSTMCell(16)
+    model = nn.RNN(cell)
+    xs = _w(4, 6, 8, seed=9)
+    params = model.init(jax.random.key(0), xs)
+    loss = mpjax.autocast(lambda p, x: jnp.sum(model.apply(p, x).astype(F32) ** 2), dtype=BF16)
+    gates = _squashing(jax.make_jaxpr(loss)(params, xs))
+    assert gates and all(e.invars[0].aval.dtype == F32 for e in gates)
+
+
+def test_a_biased_product_read_by_relu_still_leaves_in_16_bits():
+    f = mpjax.autocast(lambda x, w, b, w2: jax.nn.relu(x @ w + b) @ w2, dtype=BF16)
+    jaxpr = jax.make_jaxpr(f)(_w(4, 8), _w(8, 16), _w(16), _w(16, 4))
+    (relu,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "max"]
+    assert relu.invars[0].aval.dtype == BF16  # the sum rounded once: relu keeps 16 bits
