@@ -99,17 +99,10 @@ def module_path(stack: str, calls=frozenset()) -> str:
 def _without_repeats(parts: list) -> list:
     """A path whose scopes repeat back to back (``a/b/a/b``: an inlined call of
     mpjax's, traced under the caller's full scope) named once (``a/b``)."""
-    changed = True
-    while changed:
-        changed = False
-        for size in range(len(parts) // 2, 0, -1):
-            for i in range(len(parts) - 2 * size + 1):
-                if parts[i : i + size] == parts[i + size : i + 2 * size]:
-                    parts = parts[: i + size] + parts[i + 2 * size :]
-                    changed = True
-                    break
-            if changed:
-                break
+    for size in range(len(parts) // 2, 0, -1):
+        for i in range(len(parts) - 2 * size + 1):
+            if parts[i : i + size] == parts[i + size : i + 2 * size]:
+                return _without_repeats(parts[: i + size] + parts[i + 2 * size :])
     return parts
 
 
