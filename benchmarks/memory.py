@@ -46,6 +46,11 @@ class Residual:
         return self.producer in ("argument", "literal")
 
 
+def var_nbytes(v) -> int:
+    """The bytes of a jaxpr variable's value."""
+    return math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
+
+
 def _vjp_jaxpr(fun, *args):
     """The jaxpr of ``jax.vjp(fun, *args)`` (the forward pass, linearized) and the
     number of residuals, its trailing outputs."""
@@ -123,10 +128,7 @@ def memory_report(fun, *args, top: int = 8) -> dict:
     for r in acts:
         by_dtype[r.dtype] += r.nbytes
         by_producer[f"{r.dtype} {r.producer} @ {r.source}"] += r.nbytes
-    all_bytes = sum(
-        math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
-        for v in jaxpr.outvars[len(jaxpr.outvars) - n_res :]
-    )
+    all_bytes = sum(var_nbytes(v) for v in jaxpr.outvars[len(jaxpr.outvars) - n_res :])
     return dict(
         activation_bytes=sum(r.nbytes for r in acts),
         argument_bytes=sum(r.nbytes for r in res if r.is_argument),

@@ -29,11 +29,10 @@ loop (whose trip count a trace does not know).
 from __future__ import annotations
 
 import collections
-import math
 
 import jax
-import numpy as np
 
+from benchmarks.memory import var_nbytes
 from mpjax import _compat
 
 REMAT = frozenset({"checkpoint", "remat", "remat2"})
@@ -44,10 +43,6 @@ PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
 
 def _is_var(v) -> bool:
     return not isinstance(v, _compat.Literal)
-
-
-def _nbytes(v) -> int:
-    return math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
 
 
 class _Tally:
@@ -62,7 +57,7 @@ class _Tally:
 
     def add(self, eqn, times: int) -> None:
         name = eqn.primitive.name
-        moved = sum(_nbytes(v) for v in (*eqn.invars, *eqn.outvars) if _is_var(v))
+        moved = sum(var_nbytes(v) for v in (*eqn.invars, *eqn.outvars) if _is_var(v))
         self.equations += times
         self.products += times * (name in PRODUCTS)
         self.bytes += times * moved
@@ -78,7 +73,7 @@ class _Tally:
         for v in values:
             if v not in self.crossed:
                 self.crossed.add(v)
-                self.boundary += times * _nbytes(v)
+                self.boundary += times * var_nbytes(v)
 
     def alias(self, inner, outer) -> None:
         """Values of a sub-program (`inner`) that are values of its caller
