@@ -108,7 +108,8 @@ def policy_rule(ctx, eqn, vals, weak):
             updates["preferred_element_type"] = low
     if "update_jaxpr" in eqn.params and args and dtype_of(args[0]) != eqn.invars[0].aval.dtype:
         updates.update(_compat.retype_scalar_jaxpr(eqn.params, dtype_of(args[0])))
-    return _compat.bind(eqn, *args, **updates)
+    outs = _compat.bind(eqn, *args, **updates)
+    return fusions.constant_broadcast(ctx, eqn, args, outs)
 
 
 def _explicit_result_type(eqn) -> bool:

@@ -20,6 +20,13 @@ groups in a jaxpr, before it is evaluated:
   layer, which torch's fused LSTM and GRU cells add and squash in float32.
   Rounding it would not shrink what the backward pass keeps: neither the sums
   nor the squashing functions keep their operand.
+* a *select*: ``select_n`` keeps its predicate for the backward pass, and its
+  JVP makes zeros for a constant case (``jnp.where(mask, x, 0)``, dropout, a
+  causal mask's fill); linearization keeps both, full size. `select` evaluates
+  it in a checkpoint that saves all but broadcasts, re-broadcasting there the
+  operands that `find` saw broadcast from fewer elements: the backward pass
+  keeps a causal mask's (T, T) source, not its (B, H, T, T) broadcast, and no
+  zeros.
 * a *pointwise function*: elementwise primitives computing one value from one
   activation and literals alone, with a float32-list primitive among them, whose
   result only matrix products read (an activation function between two layers).
@@ -70,6 +77,9 @@ class Fusions(NamedTuple):
     arguments: frozenset = frozenset()
     """The jaxpr's arguments, and values only layout primitives made from one:
     the parameters a product may read (a weight, or its transpose)."""
+    selects: dict = {}
+    """By the index of each ``select_n``: its operands broadcast from fewer
+    elements, as (operand position, broadcast equation) pairs."""
 
 
 NONE = Fusions()
@@ -105,7 +115,25 @@ def find(jaxpr) -> Fusions:
             chains[chain.eqns[-1]] = chain
             deferred.update(chain.eqns[:-1])
     bias_adds = frozenset(map(id, adds))
-    return Fusions(bias_adds, float32_sums, chains, frozenset(deferred), _arguments(jaxpr))
+    selects = {
+        i: _broadcast_operands(e, eqns, producer)
+        for i, e in enumerate(eqns)
+        if e.primitive.name == "select_n"
+    }
+    return Fusions(bias_adds, float32_sums, chains, frozenset(deferred), _arguments(jaxpr), selects)
+
+
+def _broadcast_operands(eqn, eqns, producer) -> tuple:
+    found = []
+    for k, v in enumerate(eqn.invars):
+        made_by = eqns[producer[v]] if _is_var(v) and v in producer else None
+        if (
+            made_by is not None
+            and made_by.primitive.name == "broadcast_in_dim"
+            and _size(made_by.invars[0]) < _size(v)
+        ):
+            found.append((k, made_by))
+    return tuple(found)
 
 
 def _arguments(jaxpr) -> frozenset:
@@ -262,3 +290,50 @@ def pointwise(chain: Chain, eqns, source_value):
         return convert(env[chain.out], low, False)
 
     return jax.checkpoint(function, prevent_cse=False)(source_value)
+
+
+def keeps_no_broadcast(prim, *avals, **params) -> bool:
+    """A checkpoint policy: everything is saved but broadcasts, which the
+    backward pass makes again from fewer elements (or from a constant)."""
+    return prim.name != "broadcast_in_dim"
+
+
+def select(rule, broadcasts, read, ctx, eqn, vals, weak) -> list:
+    """A ``select_n`` by `rule`, in a checkpoint that recomputes broadcasts, its
+    broadcast operands (`Fusions.selects`) made again inside from their sources."""
+    # A broadcast the interpreter retyped (a cast constant) is left as it came.
+    redo = [(k, b) for k, b in broadcasts if dtype_of(read(b.invars[0])[0]) == dtype_of(vals[k])]
+    everything = [read(b.invars[0])[0] for _, b in redo] + list(vals)
+    source_weak = [read(b.invars[0])[1] for _, b in redo]
+    # Traced values go in as arguments; numpy constants stay closed over, so the
+    # rule still sees them as literals.
+    traced = [i for i, x in enumerate(everything) if not _is_constant(x)]
+
+    def compute(*args):
+        xs = list(everything)
+        for i, x in zip(traced, args):
+            xs[i] = x
+        inner, child = xs[len(redo) :], ctx.child()
+        for (k, b), source, w in zip(redo, xs, source_weak):
+            # by the select's rule, which is every broadcast's (the policy's)
+            (inner[k],) = rule(child, b, [source], [w])
+        return rule(child, eqn, inner, weak)
+
+    kept = jax.checkpoint(compute, policy=keeps_no_broadcast, prevent_cse=False)
+    return list(kept(*[everything[i] for i in traced]))
+
+
+def constant_broadcast(ctx, eqn, args, outs) -> list:
+    """`outs`; where they broadcast a constant (jnp.zeros_like, a mask's fill),
+    their casts are made at the source, then broadcast: of broadcasts alone,
+    which a backward pass makes again (`select`) rather than keeping."""
+    if eqn.primitive.name == "broadcast_in_dim" and _is_constant(args[0]):
+        source = args[0]
+        ctx.scope.remake_with(
+            outs[0], lambda dtype: _compat.bind(eqn, convert(source, dtype, True))[0]
+        )
+    return outs
+
+
+def _is_constant(x) -> bool:
+    return isinstance(x, (np.ndarray, np.generic))

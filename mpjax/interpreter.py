@@ -20,6 +20,7 @@ Three pieces of state travel through the evaluation:
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Callable, NamedTuple
 
@@ -74,6 +75,12 @@ class Scope:
         self._invariant = {id(v) for v in invariant}
         self.requests: list[tuple[Any, np.dtype, bool]] = []
         self._accumulators: dict[int, tuple[Any, Any]] = {}
+        self._remakes: dict[int, tuple[Any, Callable]] = {}
+
+    def remake_with(self, x, make: Callable) -> None:
+        """Records how to make `x` at another dtype: ``make(dtype)`` (a constant's
+        broadcast, from its source cast while small)."""
+        self._remakes[id(x)] = (x, make)
 
     def keep_accumulator(self, rounded, accumulator) -> None:
         """Records the float32 accumulator a 16-bit product was rounded from."""
@@ -87,6 +94,14 @@ class Scope:
     def seed(self, x, dtype, cast_x) -> None:
         self._casts[(id(x), np.dtype(dtype))] = (x, cast_x)
 
+    def _remake(self, key: int) -> Callable | None:
+        scope = self
+        while scope is not None:
+            if key in scope._remakes:
+                return scope._remakes[key][1]
+            scope = scope.parent
+        return None
+
     def cast(self, x, dtype, weak: bool = False):
         if dtype_of(x) == dtype:
             return x
@@ -97,11 +112,15 @@ class Scope:
             if key in scope._casts:
                 return scope._casts[key][1]
             scope = scope.parent
-        if key[0] in self._invariant:
-            self.requests.append((x, dtype, weak))
-        # Weak values are constants the user wrote for float32 (a -1e9 mask):
-        # saturate them rather than overflow to inf in float16.
-        y = convert(x, dtype, saturate=weak)
+        make = self._remake(key[0])
+        if make is not None:
+            y = make(dtype)
+        else:
+            if key[0] in self._invariant:
+                self.requests.append((x, dtype, weak))
+            # Weak values are constants the user wrote for float32 (a -1e9 mask):
+            # saturate them rather than overflow to inf in float16.
+            y = convert(x, dtype, saturate=weak)
         self._casts[key] = (x, y)  # the key's object is kept alive with its id
         return y
 
@@ -196,7 +215,12 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
                 env[chain.out] = (fusions.pointwise(chain, jaxpr.eqns, source), source_weak)
             continue
         for j in chain.eqns if chain is not None else (i,):
-            _evaluate(ctx, jaxpr.eqns[j], read, env)
+            rule = None
+            if j in fused.selects:
+                rule = functools.partial(
+                    fusions.select, _rule(jaxpr.eqns[j]), fused.selects[j], read
+                )
+            _evaluate(ctx, jaxpr.eqns[j], read, env, rule)
     return [list(t) for t in zip(*map(read, jaxpr.outvars))] if jaxpr.outvars else ([], [])
 
 
@@ -216,11 +240,15 @@ def _fuses(ctx: Context, chain, eqns, env) -> bool:
     )
 
 
-def _evaluate(ctx: Context, eqn, read, env) -> None:
-    """One equation by its rule; its outputs go into `env`."""
+def _rule(eqn) -> Callable:
+    return HIGHER_ORDER.get(eqn.primitive.name, first_order.policy_rule)
+
+
+def _evaluate(ctx: Context, eqn, read, env, rule: Callable | None = None) -> None:
+    """One equation by its rule (`_rule`, unless given); its outputs go into `env`."""
     vals, weaks = zip(*map(read, eqn.invars)) if eqn.invars else ((), ())
     eqn_ctx = ctx._replace(region=region_of(eqn, ctx.region))
-    rule = HIGHER_ORDER.get(eqn.primitive.name, first_order.policy_rule)
+    rule = rule or _rule(eqn)
     try:
         with _compat.equation_context(eqn):
             outs = rule(eqn_ctx, eqn, list(vals), list(weaks))
