@@ -201,3 +201,16 @@ def test_trace_overhead_script_runs():
     assert set(out["nested"]) == {1, 2}
     assert set(out["mlp"]) == {"plain", "autocast"}
     assert all(t >= 0 for m in out["mlp"].values() for t in m.values())
+
+
+def test_compiled_memory_reports_both_measures(tmp_path, capsys):
+    compiled_memory = importlib.import_module("benchmarks.compiled_memory")
+    path = tmp_path / "m.json"
+    with jax.allow_f16_reductions(True):  # the hand-cast model's 16-bit bias sums
+        compiled_memory.main(["--size", "smoke", "--families", "resnet", "--json", str(path)])
+    out = json.loads(path.read_text())["resnet"]
+    assert set(out) == set(compiled_memory.DEFAULT_VARIANTS)
+    for r in out.values():
+        assert r["activation_bytes"] > 0
+        assert r["compiled_temp_bytes"] is None or r["compiled_temp_bytes"] > 0
+    assert "| resnet | autocast-bf16 |" in capsys.readouterr().out
