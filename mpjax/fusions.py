@@ -78,8 +78,8 @@ class Fusions(NamedTuple):
     """The jaxpr's arguments, and values only layout primitives made from one:
     the parameters a product may read (a weight, or its transpose)."""
     selects: dict = {}
-    """By the index of each ``select_n``: its operands broadcast from fewer
-    elements, as (operand position, broadcast equation) pairs."""
+    """By the index of each floating ``select_n``: its operands broadcast from
+    fewer elements, as (operand position, broadcast equation) pairs."""
 
 
 NONE = Fusions()
@@ -118,9 +118,14 @@ def find(jaxpr) -> Fusions:
     selects = {
         i: _broadcast_operands(e, eqns, producer)
         for i, e in enumerate(eqns)
-        if e.primitive.name == "select_n"
+        if e.primitive.name == "select_n" and _has_derivative(e.outvars[0])
     }
     return Fusions(bias_adds, float32_sums, chains, frozenset(deferred), _arguments(jaxpr), selects)
+
+
+def _has_derivative(v) -> bool:
+    """Whether `v` is floating: an integer or boolean select keeps nothing."""
+    return jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact)
 
 
 def _broadcast_operands(eqn, eqns, producer) -> tuple:
