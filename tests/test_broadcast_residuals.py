@@ -95,3 +95,30 @@ def test_dropout_keeps_no_zeros():
         rtol=0.05,
         atol=0.02,
     )
+
+
+def _gpt_block(p, x):
+    h = jax.nn.relu(x @ p["w1"])
+    b, t = 2, x.shape[0] // 2
+    q = h.reshape(b, t, -1)
+    s = jnp.einsum("bqd,bkd->bqk", q, q)
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+    probs = jax.nn.softmax(s.astype(F32), axis=-1).astype(s.dtype)
+    out = jnp.einsum("bqk,bkd->bqd", probs, q).reshape(x.shape[0], -1)
+    return jnp.sum((out @ p["w2"]).astype(F32) ** 2)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_values_are_those_of_the_selects_without_a_checkpoint(dtype, monkeypatch):
+    x = _w(16, 8, seed=7)
+    grad = jax.jit(jax.value_and_grad(mpjax.autocast(_gpt_block, dtype=dtype)))
+    with_checkpoint = grad(_params(), x)
+    from mpjax import fusions
+
+    plain = lambda rule, broadcasts, read, ctx, eqn, vals, weak: rule(ctx, eqn, vals, weak)  # noqa: E731
+    monkeypatch.setattr(fusions, "select", plain)
+    without = jax.jit(jax.value_and_grad(mpjax.autocast(_gpt_block, dtype=dtype)))(_params(), x)
+    chex.assert_trees_all_equal(with_checkpoint, without)
+    # the patch took: without the checkpoint, relu's zeros are kept again
+    kept = _residuals(lambda p: mpjax.autocast(_gpt_block, dtype=dtype)(p, x), _params())
+    assert [r.shape for r in kept if r.size == 16 * 32 and not np.any(r)]
