@@ -55,19 +55,19 @@ def low_product(operands, parameters, dimension_numbers, precision, low, recast=
         # What the backward pass keeps of each operand: a parameter itself, alive
         # anyway (its 16-bit copy is cast again when needed), or the activation.
         a_kept, b_kept = (next(param_of) if p and recast else x for p, x in zip(is_param, (a, b)))
-        sides = (  # (tangent, the other operand as kept, apply, transpose, operand, param?)
+        sides = (  # (tangent, the other operand as kept, apply, transpose, operand)
             (ta, b_kept, lambda t, o: dot(_cast(t, low), _cast(o, low)), _transpose_lhs, a),
             (tb, a_kept, lambda t, o: dot(_cast(o, low), _cast(t, low)), _transpose_rhs, b),
         )
-        terms = [
-            _linear(apply, transpose, other, t, operand, dn, precision, low, param)
-            for (t, other, apply, transpose, operand), param in zip(sides, is_param)
-            if not isinstance(t, _compat.SymbolicZero)
+        live = [
+            (*side, param)
+            for side, param in zip(sides, is_param)
+            if not isinstance(side[0], _compat.SymbolicZero)
         ]
         out = product(a, b, *params)
-        if not terms:
+        if not live:
             return out, jax.numpy.zeros(out.shape, F32)
-        return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
+        return out, _linear(live, dn, precision, low)
 
     product.defjvp(jvp, symbolic_zeros=True)
     return product(*operands, *[p for p in parameters if p is not None])
@@ -77,19 +77,29 @@ def _cast(x, low):
     return convert(x, low, False)
 
 
-def _linear(apply, transpose, other, tangent, operand, dn, precision, low, is_param):
-    """The product's tangent in one operand, `apply(tangent, other)`, whose
-    transpose multiplies the 16-bit cotangent by `other` into the operand's
-    gradient: float32 for a parameter, `low` for an activation."""
-    result = F32 if is_param else low
-    cotangent_dtype = _compat.backward_operands_dtype(low) if is_param else low
+def _linear(sides, dn, precision, low):
+    """The product's tangent, the sum of ``apply(tangent, other)`` over the `sides`
+    (operands) with a tangent, as one linear function. Its transpose rounds the
+    cotangent to 16 bits once and multiplies it by each side's `other` into that
+    operand's gradient: float32 for a parameter, `low` for an activation."""
+    tangents = tuple(side[0] for side in sides)
+    others = tuple(side[1] for side in sides)
 
-    def transposed(other, ct):
-        ct = convert(_cast(ct, low), cotangent_dtype, False)
-        other = _cast(other, low)
-        return transpose(ct, other, np.ndim(operand), dn, precision, result).astype(tangent.dtype)
+    def forward(others, tangents):
+        terms = [side[2](t, o) for side, t, o in zip(sides, tangents, others)]
+        return terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
-    return _compat.linear_call(lambda other, t: apply(t, other), transposed, other, tangent)
+    def transposed(others, ct):
+        ct = _cast(ct, low)
+        cts = []
+        for (tangent, _, _, transpose, operand, is_param), other in zip(sides, others):
+            result = F32 if is_param else low
+            carrier = convert(ct, _compat.backward_operands_dtype(low) if is_param else low, False)
+            t = transpose(carrier, _cast(other, low), np.ndim(operand), dn, precision, result)
+            cts.append(t.astype(tangent.dtype))
+        return tuple(cts)
+
+    return _compat.linear_call(forward, transposed, others, tangents)
 
 
 def _transpose_rhs(ct, x, y_ndim, dn, precision, result_type):
