@@ -8,7 +8,8 @@ rounded to its operand's 16 bits before the cast back to float32 widens it again
 Here the product is a `jax.custom_jvp` whose tangent is a linear function with a
 transpose of its own (`jax.custom_derivatives.linear_call`): the cotangent,
 16-bit values by construction (it comes back through the rounding of the
-product's result), is multiplied as 16 bits with the other 16-bit operand and
+product's result), is cast to 16 bits once for both backward products,
+multiplied as 16 bits with each one's other 16-bit operand and
 accumulated in float32, and a float32 parameter's gradient is returned in
 float32, never rounded (jax#34330's ``bf16 @ bf16 -> f32``).
 
