@@ -148,3 +148,18 @@ def test_lean_policy_details():
 def test_policy_is_validated():
     with pytest.raises(ValueError, match=r"autocast\(policy='fast'\): policy must be one of"):
         mpjax.autocast(lambda x: x, policy="fast")
+
+
+def test_a_products_cotangent_is_cast_once_for_both_backward_products(low):
+    f = mpjax.autocast(lambda w, x: jnp.sum(jnp.sin(x @ w)), dtype=low)
+    jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(jnp.ones((8, 16)), jnp.ones((4, 8)))
+    down = [
+        e
+        for e in all_eqns(jaxpr)
+        if e.primitive.name == "convert_element_type"
+        and e.outvars[0].aval.shape == (4, 16)
+        and (e.invars[0].aval.dtype, e.outvars[0].aval.dtype) == (F32, low)
+    ]
+    # the accumulator rounded, the transpose of sin's float32 upcast, and the
+    # cotangent cast once for the products giving the gradients of w and of x
+    assert len(down) == 3, down
