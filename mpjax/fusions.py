@@ -129,16 +129,16 @@ def _has_derivative(v) -> bool:
 
 
 def _broadcast_operands(eqn, eqns, producer) -> tuple:
-    found = []
-    for k, v in enumerate(eqn.invars):
-        made_by = eqns[producer[v]] if _is_var(v) and v in producer else None
-        if (
-            made_by is not None
-            and made_by.primitive.name == "broadcast_in_dim"
-            and _size(made_by.invars[0]) < _size(v)
-        ):
-            found.append((k, made_by))
-    return tuple(found)
+    found = ((k, _broadcast_from_fewer(v, eqns, producer)) for k, v in enumerate(eqn.invars))
+    return tuple((k, b) for k, b in found if b is not None)
+
+
+def _broadcast_from_fewer(v, eqns, producer):
+    """The ``broadcast_in_dim`` equation that made `v` from fewer elements, or None."""
+    made_by = eqns[producer[v]] if _is_var(v) and v in producer else None
+    if made_by is None or made_by.primitive.name != "broadcast_in_dim":
+        return None
+    return made_by if _size(made_by.invars[0]) < _size(v) else None
 
 
 def _arguments(jaxpr) -> frozenset:
@@ -166,11 +166,7 @@ def _is_bias_add(eqn, eqns, producer) -> bool:
         made_by = eqns[producer[v]] if v in producer else None
         if made_by is not None and made_by.primitive.name in _PRODUCTS and _size(v) == size:
             kinds.append("product")
-        elif _size(v) < size or (
-            made_by is not None
-            and made_by.primitive.name == "broadcast_in_dim"
-            and _size(made_by.invars[0]) < size
-        ):
+        elif _size(v) < size or _broadcast_from_fewer(v, eqns, producer) is not None:
             kinds.append("bias")
         else:
             kinds.append(None)
@@ -306,10 +302,11 @@ def keeps_no_broadcast(prim, *avals, **params) -> bool:
 def select(rule, broadcasts, read, ctx, eqn, vals, weak) -> list:
     """A ``select_n`` by `rule`, in a checkpoint that recomputes broadcasts, its
     broadcast operands (`Fusions.selects`) made again inside from their sources."""
-    # A broadcast the interpreter retyped (a cast constant) is left as it came.
-    redo = [(k, b) for k, b in broadcasts if dtype_of(read(b.invars[0])[0]) == dtype_of(vals[k])]
-    everything = [read(b.invars[0])[0] for _, b in redo] + list(vals)
-    source_weak = [read(b.invars[0])[1] for _, b in redo]
+    # (position, broadcast, source, weak); a broadcast the interpreter retyped (a
+    # cast constant) is left as it came.
+    redo = [(k, b, *read(b.invars[0])) for k, b in broadcasts]
+    redo = [r for r in redo if dtype_of(r[2]) == dtype_of(vals[r[0]])]
+    everything = [source for _, _, source, _ in redo] + list(vals)
     # Traced values go in as arguments; numpy constants stay closed over, so the
     # rule still sees them as literals.
     traced = [i for i, x in enumerate(everything) if not _is_constant(x)]
@@ -319,7 +316,7 @@ def select(rule, broadcasts, read, ctx, eqn, vals, weak) -> list:
         for i, x in zip(traced, args):
             xs[i] = x
         inner, child = xs[len(redo) :], ctx.child()
-        for (k, b), source, w in zip(redo, xs, source_weak):
+        for (k, b, _, w), source in zip(redo, xs):
             # by the select's rule, which is every broadcast's (the policy's)
             (inner[k],) = rule(child, b, [source], [w])
         return rule(child, eqn, inner, weak)

@@ -94,11 +94,12 @@ class Scope:
     def seed(self, x, dtype, cast_x) -> None:
         self._casts[(id(x), np.dtype(dtype))] = (x, cast_x)
 
-    def _remake(self, key: int) -> Callable | None:
+    def _recorded(self, table: str, key):
+        """The value recorded under `key` in this scope's `table` or an enclosing one's."""
         scope = self
         while scope is not None:
-            if key in scope._remakes:
-                return scope._remakes[key][1]
+            if key in getattr(scope, table):
+                return getattr(scope, table)[key][1]
             scope = scope.parent
         return None
 
@@ -107,12 +108,10 @@ class Scope:
             return x
         dtype = np.dtype(dtype)
         key = (id(x), dtype)
-        scope = self
-        while scope is not None:
-            if key in scope._casts:
-                return scope._casts[key][1]
-            scope = scope.parent
-        make = self._remake(key[0])
+        made = self._recorded("_casts", key)
+        if made is not None:
+            return made
+        make = self._recorded("_remakes", key[0])
         if make is not None:
             y = make(dtype)
         else:
