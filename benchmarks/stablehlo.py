@@ -100,6 +100,8 @@ class Coverage:
     """converts between floating types (f32 <-> bf16/f16), the casts mixed precision adds."""
     float_convert_elements: int = 0
     """elements those converts move: their memory traffic, in elements."""
+    float_converts_by_shape: dict = dataclasses.field(default_factory=dict)
+    """those converts by ``"<shape> <from>-><to>"``: [converts, elements]."""
 
     @property
     def low_precision_fraction(self) -> float:
@@ -173,4 +175,8 @@ def coverage(stablehlo_text: str) -> Coverage:
                 if src in _FLOATS and dst in _FLOATS and src != dst:
                     cov.float_converts += k
                     cov.float_convert_elements += k * math.prod(shape)
+                    key = f"{'x'.join(map(str, shape))} {src}->{dst}"
+                    entry = cov.float_converts_by_shape.setdefault(key, [0, 0])
+                    entry[0] += k
+                    entry[1] += k * math.prod(shape)
     return cov

@@ -88,6 +88,9 @@ def test_coverage(results):
             if name != "float32":
                 assert c["low_precision_fraction"] == 1.0, name
                 assert c["float_converts"] > 0
+            by_shape = c["float_converts_by_shape"].values()
+            assert sum(n for n, _ in by_shape) == c["float_converts"]
+            assert sum(e for _, e in by_shape) == c["float_convert_elements"]
 
 
 def test_timings_are_positive(results):
@@ -169,6 +172,7 @@ def test_stablehlo_parser_counts_calls_once_per_call_site():
     assert cov.matmul_flops == low + 2 * (2 * 2) * 4
     assert cov.n_matmuls == cov.n_low_matmuls == 3
     assert cov.float_converts == 1 and cov.float_convert_elements == 8
+    assert cov.float_converts_by_shape == {"2x4 bf16->f32": [1, 8]}
 
 
 def test_stablehlo_parser_counts_float32_values_as_float32():
