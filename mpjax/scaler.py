@@ -97,7 +97,7 @@ def grad_scaler(
     accumulation_steps: int = 1,
     accumulation: str | None = None,
     axis_name: Hashable | Sequence[Hashable] | None = None,
-    check_updates: bool = True,
+    check_updates: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Dynamic loss scaling around an optimizer, with torch's GradScaler rule.
 
@@ -133,8 +133,10 @@ def grad_scaler(
         combined, so every device makes the same skip decision. Not needed under plain
         ``jit`` with sharded arrays, where the check is already global.
       check_updates: also skip a step whose updates ``inner`` made non-finite from
-        finite gradients (the scale holds), so parameters never become non-finite.
-        False checks the gradients only, as torch does: faster (docs/loss_scaling.md).
+        finite gradients (the scale holds), so parameters never become non-finite
+        whatever ``inner`` does. It costs a pass over the updates and a select of
+        ``inner``'s state after it runs (docs/loss_scaling.md). False, the default,
+        checks the gradients only, as torch does, before ``inner`` runs.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -173,7 +175,7 @@ def static_scaler(
     accumulation_steps: int = 1,
     accumulation: str | None = None,
     axis_name: Hashable | Sequence[Hashable] | None = None,
-    check_updates: bool = True,
+    check_updates: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """A fixed loss scale around an optimizer; non-finite steps are still skipped.
 

@@ -162,8 +162,11 @@ def test_float16_parameters_are_refused_at_init():
 
 
 def test_inner_non_finite_updates_neither_grow_nor_back_off_the_scale():
-    # adam with eps=0 on zero gradients: 0/0 updates from finite gradients.
-    tx = mpjax.grad_scaler(optax.adam(1e-3, eps=0.0), init_scale=4.0, growth_interval=2)
+    # adam with eps=0 on zero gradients: 0/0 updates from finite gradients, which
+    # check_updates=True skips.
+    tx = mpjax.grad_scaler(
+        optax.adam(1e-3, eps=0.0), init_scale=4.0, growth_interval=2, check_updates=True
+    )
     params = {"w": jnp.ones(3)}
     state = tx.init(params)
     for _ in range(4):

@@ -56,17 +56,18 @@ def _kernels(tx, n_leaves: int) -> int:
 @pytest.mark.parametrize(
     "kwargs, per_leaf",
     [
-        # a finiteness reduction of the gradients (which is also the leaf's
-        # entry in nonfinite_subtrees) and one of the updates, and the selects
-        # of updates, mu and nu: 5 (6 before the flags doubled as subtree flags)
-        ({}, 5.5),
-        # the gradients' reduction alone: without the updates' check the selects
-        # are decided before adam runs, and XLA folds them into adam's passes
-        ({"check_updates": False}, 1.25),
-        # and the accumulator's add and reset
-        ({"accumulation_steps": 4, "accumulation": "mean"}, 8.5),
+        # the gradients' finiteness reduction (which is also the leaf's entry in
+        # nonfinite_subtrees): the skip is decided before adam runs, and XLA
+        # folds its selects into adam's passes
+        ({}, 1.25),
+        # and a reduction of the updates, then the selects of updates, mu and nu,
+        # which can only run once the updates are checked: 5
+        ({"check_updates": True}, 5.5),
+        # the gradients' reduction, the accumulator's add and reset, and the
+        # selects that keep adam's step on the last micro-batch only: 4
+        ({"accumulation_steps": 4, "accumulation": "mean"}, 4.5),
     ],
-    ids=["step", "gradients only", "accumulating"],
+    ids=["step", "updates checked too", "accumulating"],
 )
 def test_scaler_adds_a_few_kernels_per_leaf(kwargs, per_leaf):
     # Compile time follows the number of kernels; the scaler's own must be a
