@@ -1,15 +1,20 @@
 """The loss scaler's own cost against the bare optimizer, in one process.
 
     PYTHONPATH=. python -m benchmarks.scaler [--leaves 10 100 1000 10000] [--params 1e6 1e8]
+        [--models gpt resnet]
 
 Two ratios, each `grad_scaler(optax.adam(1e-3))` over bare `optax.adam(1e-3)`, with
-the default checks (gradients and updates) and with ``check_updates=False`` (the
-gradients only, as torch):
+the default check (the gradients, as torch) and with ``check_updates=True`` (the
+updates too):
 
 * compile: trace, lower and compile ``jax.jit(tx.update)`` on a dict of n small
   leaves (the median of interleaved repeats);
 * step: run time of the compiled update on a tree of 10 leaves holding the given
   number of parameters in all (the median of interleaved repeats).
+
+With ``--models``, also the whole jitted training step of each benchmark model
+(autocast float16 loss, `grad_scaler(adamw)` against plain adamw) at the size the
+full benchmark times: `benchmarks.timing.scaler_overhead`, 15 repeats of 10 steps.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import jax.numpy as jnp
 import optax
 
 import mpjax
+from benchmarks import timing
+from benchmarks.models import SIZES
 from benchmarks.timing import interleaved
 
 
@@ -37,7 +44,7 @@ def _compile_seconds(tx: optax.GradientTransformation, params: dict) -> dict[str
     return {"total": time.perf_counter() - t0}
 
 
-_SCALERS = {"scaler": {}, "scaler_grads_only": {"check_updates": False}}
+_SCALERS = {"scaler": {}, "scaler_checking_updates": {"check_updates": True}}
 """The scalers measured against bare adam, by name: `grad_scaler`'s keyword arguments."""
 
 
@@ -91,10 +98,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--leaves", type=int, nargs="*", default=[10, 100, 1000])
     parser.add_argument("--params", type=float, nargs="*", default=[1e6])
+    parser.add_argument("--models", nargs="*", default=[], choices=sorted(SIZES["runtime"]))
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
     print(
-        "| leaves | adam compile (s) | grad_scaler (s) | ratio | check_updates=False (s) | ratio |"
+        "| leaves | adam compile (s) | grad_scaler (s) | ratio | check_updates=True (s) | ratio |"
     )
     print("|---:|---:|---:|---:|---:|---:|")
     for n in args.leaves:
@@ -103,12 +111,24 @@ def main(argv=None) -> None:
     print()
     print(
         "| parameters (10 leaves) | adam step (ms) | grad_scaler (ms) | ratio "
-        "| check_updates=False (ms) | ratio |"
+        "| check_updates=True (ms) | ratio |"
     )
     print("|---:|---:|---:|---:|---:|---:|")
     for p in args.params:
         r = step_ratio(int(p))
         print(f"| {int(p):.0e} | {_row(r, '.2f', 1e3)}", flush=True)
+    if args.models:
+        print()
+        print("| model | step ms adamw | step ms grad_scaler(adamw) | ratio |")
+        print("|---|---|---|---|")
+    for family in args.models:
+        spec = SIZES["runtime"][family]
+        r = timing.scaler_overhead(spec, "autocast-f16", repeats=15, steps=10)
+        print(
+            f"| {family} {spec.describe()} | {1e3 * r['plain_s']:.2f} "
+            f"| {1e3 * r['scaler_s']:.2f} | {r['ratio']:.3f} |",
+            flush=True,
+        )
 
 
 def _row(r: dict, fmt: str, unit: float) -> str:

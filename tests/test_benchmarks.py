@@ -194,9 +194,19 @@ def test_scaler_benchmark_runs_and_reports_ratios(capsys):
     out = capsys.readouterr().out
     assert "| 3 |" in out and "| 3e+03 |" in out
     rows = [line.split("|") for line in out.splitlines() if line.startswith("| 3")]
-    # each row: adam, then the scaler and check_updates=False, each with its ratio
+    # each row: adam, then the scaler and check_updates=True, each with its ratio
     ratios = [float(row[i]) for row in rows for i in (4, 6)]
     assert len(ratios) == 4 and all(r > 0 for r in ratios)
+
+
+def test_scaler_benchmark_times_a_models_training_step(monkeypatch, capsys):
+    from benchmarks import models, scaler
+
+    monkeypatch.setitem(scaler.SIZES, "runtime", models.SIZES["smoke"])
+    scaler.main(["--leaves", "--params", "--models", "resnet"])
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| resnet")]
+    plain, scaled, ratio = (float(c) for c in row.split("|")[2:5])
+    assert plain > 0 and scaled > 0 and ratio == pytest.approx(scaled / plain, rel=0.05)
 
 
 def test_trace_overhead_script_runs():
