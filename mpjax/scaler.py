@@ -133,10 +133,8 @@ def grad_scaler(
         combined, so every device makes the same skip decision. Not needed under plain
         ``jit`` with sharded arrays, where the check is already global.
       check_updates: also skip a step whose updates ``inner`` made non-finite from
-        finite gradients (the scale holds), so parameters never become non-finite
-        whatever ``inner`` does. It costs a pass over the updates and a select of
-        ``inner``'s state after it runs (docs/loss_scaling.md). False, the default,
-        checks the gradients only, as torch does, before ``inner`` runs.
+        finite gradients (the scale holds), at the cost of a pass over the updates
+        and the state (docs/loss_scaling.md). False: the gradients only, as torch.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
