@@ -383,8 +383,12 @@ def test_nan_update_from_the_inner_optimizer_is_skipped():
 def test_by_default_a_nan_update_from_the_inner_optimizer_is_applied_as_torch_does():
     # By default the scaler trusts the inner optimizer, as torch's GradScaler
     # does: finite gradients, so the step is taken, NaN and all.
-    _, (params, state), (new_params, new_state) = _poisoned_step()
+    step, (params, state), (new_params, new_state) = _poisoned_step()
     assert not bool(new_state.last_step_skipped) and int(new_state.skipped_steps) == 0
     assert np.isnan(np.asarray(new_params["w1"])).all()
     # ... and the step counts as a success: the 4th in a row grows the scale.
     assert float(new_state.scale) == 2 * float(state.scale) == 2 * INIT_SCALE
+    # It is loud: every later step's gradients are NaN, and the step is skipped.
+    _, xs, ys = _init()
+    _, later = step(new_params, new_state, xs[0], ys[0], jnp.array(False))
+    assert bool(later.last_step_skipped) and int(later.skipped_steps) == 1
