@@ -31,7 +31,7 @@ def grad_scaler_config(
     accumulation_steps,
     accumulation,
     axis_name,
-    check_updates=False,
+    check_updates,
 ) -> ScalerConfig:
     """`grad_scaler`'s arguments, checked."""
     name = "grad_scaler"

@@ -36,7 +36,7 @@ class ScalerConfig(NamedTuple):
     accumulation: str
     """How micro-batch gradients combine: "mean" or "sum"."""
     axis_name: Hashable | Sequence[Hashable] | None
-    check_updates: bool = False
+    check_updates: bool
     """Also skip a step whose gradients are finite but whose updates are not."""
 
 
