@@ -86,6 +86,8 @@ def coverage_table(cov: dict) -> str:
                 f"{c['float_convert_elements'] / cov[base]['float_convert_elements']:.2f}"
                 if base and cov[base]["float_convert_elements"]
                 else "",
+                # blank for results measured before round trips were counted
+                f"{c['round_trip_elements'] / 1e6:,.1f}" if "round_trip_elements" in c else "",
             ]
         )
     return _table(
@@ -97,6 +99,7 @@ def coverage_table(cov: dict) -> str:
             "hand-cast's",
             "converted M elements",
             "x hand-cast",
+            "of which exact round trips, M",
         ],
         rows,
     )

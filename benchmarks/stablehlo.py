@@ -10,6 +10,12 @@ products of a product kept at a float32 result appear (autocast's default
 HLO is the wrong place on a CPU: XLA CPU rewrites 16-bit dots as
 convert -> float32 dot -> convert.)
 
+Converts between floating types are counted with the elements they convert. Among
+them, a convert back down of a value converted up from the same 16-bit type gives
+back the very values it started from: XLA's algebraic simplifier replaces such an
+exact round trip by its source, so it moves nothing in the compiled program. They
+are counted apart (`Coverage.round_trips`).
+
 Nested jitted functions lower to private ``func.func``s reached by ``call``; each
 op is weighted by how many times its function is called from ``main``. Loop
 bodies (``stablehlo.while``) count once; the training steps here have no loops
@@ -102,6 +108,11 @@ class Coverage:
     """elements those converts move: their memory traffic, in elements."""
     float_converts_by_shape: dict = dataclasses.field(default_factory=dict)
     """those converts by ``"<shape> <from>-><to>"``: [converts, elements]."""
+    round_trips: int = 0
+    """of those, converts back down of a value converted up from the same 16-bit
+    type: exact round trips, which XLA's simplifier removes (the operand is used)."""
+    round_trip_elements: int = 0
+    """elements those round trips convert."""
 
     @property
     def low_precision_fraction(self) -> float:
@@ -151,6 +162,7 @@ def coverage(stablehlo_text: str) -> Coverage:
     for f, body in funcs.items():
         k = times[f]
         upcast = set()  # results of converts from 16 bits up to float32
+        upcast_from: dict[str, str] = {}  # the same, by result: the 16-bit type
         for line in body:
             if "stablehlo.dot_general" in line or "stablehlo.convolution" in line:
                 flops, low = (dot_flops if "dot_general" in line else conv_flops)(line, upcast)
@@ -172,6 +184,7 @@ def coverage(stablehlo_text: str) -> Coverage:
                     )
                 ):
                     upcast.add(result.group(1))
+                    upcast_from[result.group(1)] = upcast_from.get(operand.group(1), src)
                 if src in _FLOATS and dst in _FLOATS and src != dst:
                     cov.float_converts += k
                     cov.float_convert_elements += k * math.prod(shape)
@@ -179,4 +192,7 @@ def coverage(stablehlo_text: str) -> Coverage:
                     entry = cov.float_converts_by_shape.setdefault(key, [0, 0])
                     entry[0] += k
                     entry[1] += k * math.prod(shape)
+                    if dst in LOW and operand and upcast_from.get(operand.group(1)) == dst:
+                        cov.round_trips += k
+                        cov.round_trip_elements += k * math.prod(shape)
     return cov

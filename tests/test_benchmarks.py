@@ -6,6 +6,7 @@ import importlib
 import json
 import math
 import pathlib
+import re
 import sys
 
 import jax
@@ -173,6 +174,40 @@ def test_stablehlo_parser_counts_calls_once_per_call_site():
     assert cov.n_matmuls == cov.n_low_matmuls == 3
     assert cov.float_converts == 1 and cov.float_convert_elements == 8
     assert cov.float_converts_by_shape == {"2x4 bf16->f32": [1, 8]}
+
+
+def test_stablehlo_parser_tells_exact_round_trips_from_roundings():
+    text = """
+  func.func public @main(%arg0: tensor<2x4xf16>, %arg1: tensor<2x4xf32>, %arg2: tensor<2x4xbf16>) -> tensor<2x4xf16> {
+    %0 = stablehlo.convert %arg0 : (tensor<2x4xf16>) -> tensor<2x4xf32>
+    %1 = stablehlo.convert %0 : (tensor<2x4xf32>) -> tensor<2x4xf16>
+    %2 = stablehlo.convert %arg1 : (tensor<2x4xf32>) -> tensor<2x4xf16>
+    %3 = stablehlo.convert %arg2 : (tensor<2x4xbf16>) -> tensor<2x4xf32>
+    %4 = stablehlo.convert %3 : (tensor<2x4xf32>) -> tensor<2x4xf16>
+    %5 = stablehlo.add %0, %0 : tensor<2x4xf32>
+    %6 = stablehlo.convert %5 : (tensor<2x4xf32>) -> tensor<2x4xf16>
+    return %1 : tensor<2x4xf16>
+  }
+"""
+    cov = stablehlo.coverage(text)
+    assert cov.float_converts == 6 and cov.float_convert_elements == 48
+    # only %1 gives back the very float16 values it was made from: %2 and %6 round
+    # float32 values, %4 rounds bfloat16 values to float16
+    assert cov.round_trips == 1 and cov.round_trip_elements == 8
+
+
+def test_xla_removes_an_exact_round_trip_the_parser_counts_apart():
+    def f(x16):
+        up = x16.astype(jnp.float32)
+        return jnp.sum(up, axis=0), up.astype(jnp.float16) * x16
+
+    x = jnp.ones((64, 32), jnp.float16)
+    lowered = jax.jit(f).lower(x)
+    assert stablehlo.coverage(lowered.as_text()).round_trips == 1
+    compiled = lowered.compile().as_text()
+    # the product reads x16 itself: no convert down to float16 is left
+    assert not re.search(r"= f16\[[\d,]*\]\S* convert\(", compiled)
+    assert re.search(r"= f32\[[\d,]*\]\S* convert\(", compiled)  # the pattern matches
 
 
 def test_stablehlo_parser_counts_float32_values_as_float32():
