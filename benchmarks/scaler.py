@@ -29,7 +29,6 @@ import optax
 import mpjax
 from benchmarks import timing
 from benchmarks.models import SIZES
-from benchmarks.timing import interleaved
 
 
 def _leaves(n: int, size: int) -> dict:
@@ -64,7 +63,7 @@ def _ratios(med: dict, field: str) -> dict:
 def compile_ratio(n: int, repeats: int = 3) -> dict:
     """Compile seconds of the scaler's update and of bare adam's, on n leaves."""
     params = _leaves(n, 12)
-    med = interleaved(
+    med = timing.interleaved(
         {k: lambda tx=tx: _compile_seconds(tx, params) for k, tx in _contenders().items()},
         repeats=repeats,
         warmup=False,
@@ -90,7 +89,7 @@ def step_ratio(total_params: int, leaves: int = 10, repeats: int = 7) -> dict:
     for name, tx in _contenders().items():
         update, state = jax.jit(tx.update), tx.init(params)
         contenders[name] = lambda u=update, s=state: _step_seconds(u, grads, s, params, calls)
-    med = interleaved(contenders, repeats=repeats)
+    med = timing.interleaved(contenders, repeats=repeats)
     return {"params": total_params, **_ratios(med, "step")}
 
 
