@@ -28,6 +28,7 @@ import collections
 import dataclasses
 import math
 import re
+from collections.abc import Container
 
 _FUNC = re.compile(r"func\.func\s+(?:public|private)?\s*@([\w.$-]+)\(")
 _CALL = re.compile(r"\bcall @([\w.$-]+)\(")
@@ -63,7 +64,7 @@ _RESULT = re.compile(r"^(%[\w#.]+)(?::\d+)?\s*=")
 _CONVERT_OPERAND = re.compile(r"stablehlo\.convert\s+(%[\w#.]+)")
 
 
-def _held(line: str, types: list[str], upcast: set[str]) -> list[str]:
+def _held(line: str, types: list[str], upcast: Container[str]) -> list[str]:
     """The operand types of a product, with upcasts from 16 bits read as 16 bits."""
     m = _OPERANDS.search(line)
     if not m:
@@ -71,7 +72,7 @@ def _held(line: str, types: list[str], upcast: set[str]) -> list[str]:
     return ["bf16" if name in upcast else t for name, t in zip(m.groups(), types)]
 
 
-def dot_flops(line: str, upcast: frozenset = frozenset()) -> tuple[int, bool]:
+def dot_flops(line: str, upcast: Container[str] = frozenset()) -> tuple[int, bool]:
     """(FLOPs, whether both operands hold 16-bit values) of a ``stablehlo.dot_general``."""
     (lhs, lhs_t), (_, rhs_t) = _signature(line)[0][:2]
     out_shape = _signature(line)[1][0][0]
@@ -81,7 +82,7 @@ def dot_flops(line: str, upcast: frozenset = frozenset()) -> tuple[int, bool]:
     return 2 * math.prod(out_shape) * contracted, lhs_t in LOW and rhs_t in LOW
 
 
-def conv_flops(line: str, upcast: frozenset = frozenset()) -> tuple[int, bool]:
+def conv_flops(line: str, upcast: Container[str] = frozenset()) -> tuple[int, bool]:
     """(FLOPs, whether both operands hold 16-bit values) of a ``stablehlo.convolution``.
 
     Each output element sums over the kernel's window and input features: the
@@ -161,8 +162,8 @@ def coverage(stablehlo_text: str) -> Coverage:
     cov = Coverage()
     for f, body in funcs.items():
         k = times[f]
-        upcast = set()  # results of converts from 16 bits up to float32
-        upcast_from: dict[str, str] = {}  # the same, by result: the 16-bit type
+        # results of converts from 16 bits up to float32: the 16-bit type, by result
+        upcast: dict[str, str] = {}
         for line in body:
             if "stablehlo.dot_general" in line or "stablehlo.convolution" in line:
                 flops, low = (dot_flops if "dot_general" in line else conv_flops)(line, upcast)
@@ -183,8 +184,7 @@ def coverage(stablehlo_text: str) -> Coverage:
                         (src in LOW and dst == "f32") or (src == dst and operand.group(1) in upcast)
                     )
                 ):
-                    upcast.add(result.group(1))
-                    upcast_from[result.group(1)] = upcast_from.get(operand.group(1), src)
+                    upcast[result.group(1)] = upcast.get(operand.group(1), src)
                 if src in _FLOATS and dst in _FLOATS and src != dst:
                     cov.float_converts += k
                     cov.float_convert_elements += k * math.prod(shape)
@@ -192,7 +192,7 @@ def coverage(stablehlo_text: str) -> Coverage:
                     entry = cov.float_converts_by_shape.setdefault(key, [0, 0])
                     entry[0] += k
                     entry[1] += k * math.prod(shape)
-                    if dst in LOW and operand and upcast_from.get(operand.group(1)) == dst:
+                    if dst in LOW and operand and upcast.get(operand.group(1)) == dst:
                         cov.round_trips += k
                         cov.round_trip_elements += k * math.prod(shape)
     return cov
