@@ -186,13 +186,14 @@ def coverage(stablehlo_text: str) -> Coverage:
                 ):
                     upcast[result.group(1)] = upcast.get(operand.group(1), src)
                 if src in _FLOATS and dst in _FLOATS and src != dst:
+                    elements = k * math.prod(shape)
                     cov.float_converts += k
-                    cov.float_convert_elements += k * math.prod(shape)
+                    cov.float_convert_elements += elements
                     key = f"{'x'.join(map(str, shape))} {src}->{dst}"
                     entry = cov.float_converts_by_shape.setdefault(key, [0, 0])
                     entry[0] += k
-                    entry[1] += k * math.prod(shape)
+                    entry[1] += elements
                     if dst in LOW and operand and upcast.get(operand.group(1)) == dst:
                         cov.round_trips += k
-                        cov.round_trip_elements += k * math.prod(shape)
+                        cov.round_trip_elements += elements
     return cov

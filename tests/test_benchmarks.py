@@ -205,7 +205,7 @@ def test_xla_removes_an_exact_round_trip_the_parser_counts_apart():
     lowered = jax.jit(f).lower(x)
     assert stablehlo.coverage(lowered.as_text()).round_trips == 1
     compiled = lowered.compile().as_text()
-    # the product reads x16 itself: no convert down to float16 is left
+    # the multiply reads x16 itself: no convert down to float16 is left
     assert not re.search(r"= f16\[[\d,]*\]\S* convert\(", compiled)
     assert re.search(r"= f32\[[\d,]*\]\S* convert\(", compiled)  # the pattern matches
 
