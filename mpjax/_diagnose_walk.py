@@ -5,7 +5,8 @@ equation on concrete values, with every floating output checked.
 backward pass. An equation belongs to the backward pass when its name stack, or
 that of an equation enclosing it, carries JAX's ``transpose(...)`` transform
 (``transpose(jvp(mpjax_autocast_float16))/Net/block_1``); forward equations carry
-``jvp(...)`` only. Calls (`jit`, custom derivatives, `checkpoint`) and the taken
+``jvp(...)`` only. Calls (`jit`, custom derivatives, `checkpoint`, the
+`linear_call` that transposes autocast's products) and the taken
 branch of a `cond` are evaluated equation by equation; `scan` and `while` run as
 one unit, and a `scan` whose outputs are the first non-finite values is run again
 one iteration at a time to find the equation inside.
@@ -35,6 +36,7 @@ _CALLS = frozenset(
         "custom_jvp_call",
         "custom_vjp_call",
         "custom_vjp_call_jaxpr",
+        "linear_call",
         "checkpoint",
         "remat",
         "remat2",

@@ -29,6 +29,12 @@ from mpjax import _compat
 from mpjax._casting import F32, convert
 
 
+RECAST_SCOPE = "mpjax_recast"
+"""The name scope of the backward pass's casts of a product's operands (a
+parameter cast again rather than kept): `mpjax.diagnose` leaves them out of the
+backward pass's values."""
+
+
 def low_product(operands, parameters, dimension_numbers, precision, low, recast=True):
     """``dot_general`` of the 16-bit `operands`, returning its float32 accumulator.
 
@@ -96,7 +102,9 @@ def _linear(sides, dn, precision, low):
         for (tangent, _, _, transpose, operand, is_param), other in zip(sides, others):
             result = F32 if is_param else low
             carrier = convert(ct, _compat.backward_operands_dtype(low) if is_param else low, False)
-            t = transpose(carrier, _cast(other, low), np.ndim(operand), dn, precision, result)
+            with jax.named_scope(RECAST_SCOPE):  # a forward value, not a gradient
+                other = _cast(other, low)
+            t = transpose(carrier, other, np.ndim(operand), dn, precision, result)
             cts.append(t.astype(tangent.dtype))
         return tuple(cts)
 

@@ -42,7 +42,8 @@ class AuditReport:
     """What a traced function computes in which precision.
 
     Attributes:
-      equations: every primitive, in program order, sub-programs included.
+      equations: every primitive whose result is used, in program order,
+        sub-programs included (one nothing reads is dropped, as jit drops it).
       float_casts: number of casts between floating dtypes.
       casts_inserted: casts that autocast added, when the audited function is
         an `autocast` function (its float casts minus those of the function it
@@ -57,7 +58,7 @@ class AuditReport:
       ...     return jnp.sum(jnp.exp(x @ w))
       >>> report = mpjax.audit(mpjax.autocast(f), jnp.ones((4, 3)), jnp.ones((2, 4)))
       >>> report.matmul_flops, report.low_precision_fraction, report.casts_inserted
-      (48, 1.0, 4)
+      (48, 1.0, 2)
     """
 
     equations: tuple[Equation, ...]
@@ -141,7 +142,7 @@ def _dtype_names(atoms) -> tuple[str, ...]:
 def _walk(jaxpr, path: str = "", repeat: int = 1):
     equations, casts, flops, low_flops = [], 0, 0, 0
     upcast_from = {}  # var -> the 16-bit dtype of the value it is an upcast of
-    for eqn in jaxpr.eqns:
+    for eqn in _live(jaxpr):
         name = eqn.primitive.name
         equations.append(
             Equation(
@@ -176,6 +177,21 @@ def _walk(jaxpr, path: str = "", repeat: int = 1):
             equations += e
             casts, flops, low_flops = casts + c, flops + f, low_flops + lf
     return equations, casts, flops, low_flops
+
+
+def _live(jaxpr) -> list:
+    """The equations of `jaxpr` whose results are used: what runs once compiled.
+
+    Tracing keeps a result nobody reads (autocast rounds a product to 16 bits
+    even where only float32 operations read it, as its accumulator); jit drops it.
+    """
+    used = {v for v in jaxpr.outvars if not isinstance(v, _compat.Literal)}
+    live = []
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(v in used for v in eqn.outvars):
+            live.append(eqn)
+            used.update(v for v in eqn.invars if not isinstance(v, _compat.Literal))
+    return live[::-1]
 
 
 def _multiplies_low(operands, upcast_from) -> bool:

@@ -16,6 +16,7 @@ from mpjax import _diagnose_args as da
 from mpjax import _diagnose_walk as dw
 from mpjax._autocast import autocast, trace_arrays
 from mpjax._diagnose_report import RANGES, DiagnoseReport, LayerRange, LeafGradient, Origin, Run
+from mpjax._products import RECAST_SCOPE
 
 _OWN_SCOPE = "mpjax_diagnose_scale"
 
@@ -177,6 +178,8 @@ class _Collector:
         self.loss, self.grads = math.nan, []
 
     def __call__(self, event: dw.Event) -> None:
+        if RECAST_SCOPE in event.stack:  # the forward pass's cast made again
+            return
         phase = "backward" if event.backward else "forward"
         finite = all(s.finite for s in event.out_stats)
         if not finite and event.inputs_finite and phase not in self.origins:

@@ -5,7 +5,7 @@ import mpjax
 
 
 def loss_fn(params, x):
-    h = x @ params["w"]                      # values near 1e5: beyond float16's 65504
+    h = jax.nn.relu(x @ params["w"])        # values near 1e5: beyond float16's 65504
     return jnp.mean((h * 1e-5 - 1.0) ** 2)
 
 
@@ -34,7 +34,7 @@ except FloatingPointError as error:
 
 # 4. Or print values from inside: jax.debug.print works in autocast and under jit.
 def loss_fn_printing(params, x):
-    h = x @ params["w"]
+    h = jax.nn.relu(x @ params["w"])
     jax.debug.print("largest |h|: {}", jnp.max(jnp.abs(h)))      # inf
     return jnp.mean((h * 1e-5 - 1.0) ** 2)
 
@@ -44,7 +44,7 @@ jax.jit(mpjax.autocast(loss_fn_printing))(params, x)
 
 # 5. The fix: keep that product in float32, or use bfloat16 (float32's range).
 def fixed_loss_fn(params, x):
-    h = mpjax.autocast(jnp.matmul, enabled=False)(x, params["w"])
+    h = jax.nn.relu(mpjax.autocast(jnp.matmul, enabled=False)(x, params["w"]))
     return jnp.mean((h * 1e-5 - 1.0) ** 2)
 
 
