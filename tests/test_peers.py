@@ -4,6 +4,7 @@ import math
 import pathlib
 import sys
 
+import jax
 import pytest
 
 pytest.importorskip("flax")
@@ -19,7 +20,7 @@ CHEAP = ("flax-vae",)
 
 @pytest.fixture(scope="module")
 def results():
-    return [harness.run_peer(BY_NAME[name], harness.QUICK_VARIANTS) for name in CHEAP]
+    return [harness.run_peer(BY_NAME[name], harness.QUICK_VARIANTS, batches=3) for name in CHEAP]
 
 
 def test_numbers_are_finite_and_close(results):
@@ -59,6 +60,35 @@ def test_table_renders(results):
     assert "needs-nothing-here: skipped: needs nosuchpkg" in table
 
 
+def test_further_batches_change_the_data_not_the_parameters():
+    peer = BY_NAME["flax-vae"]
+    _, params0, batch0 = peer.build(4)
+    _, params1, batch1 = peer.build(4, seed=1)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), params0, params1))
+    assert not (batch0["images"] == batch1["images"]).all()
+    assert not (batch0["z_rng"] == batch1["z_rng"]).all()
+
+
+def test_errors_over_several_batches(results):
+    rows = {r["variant"]: r for r in results[0]["rows"]}
+    assert rows["float32"]["grad_err_tree_batches"] == []  # nothing to compare
+    for variant in ("autocast-f16", "autocast-bf16"):
+        leaf, tree = rows[variant]["grad_err_leaf_batches"], rows[variant]["grad_err_tree_batches"]
+        assert len(leaf) == len(tree) == 3
+        # The first batch is the one the main row measures; the others are new data.
+        assert (leaf[0], tree[0]) == (
+            rows[variant]["grad_err_leaf"],
+            rows[variant]["grad_err_tree"],
+        )
+        assert len(set(tree)) == 3
+        assert all(0 < e < 0.1 for e in tree), tree
+    table = harness.render_batches(results)
+    median = sorted(rows["autocast-f16"]["grad_err_tree_batches"])[1]
+    assert "| flax-vae | autocast-f16 | 3 |" in table
+    assert f"{median:.1e}" in table.splitlines()[2]
+    assert "float32" not in table
+
+
 def test_missing_package_is_skipped_not_crashed():
     import dataclasses
 
@@ -89,3 +119,29 @@ def test_reduction_counter_sees_16bit_sums():
         jax.config.update("jax_allow_f16_reductions", allowed)
     assert forward == {"cumsum": 1, "reduce_sum": 1}, forward
     assert backward.get("cumsum") == 2, backward  # forward and transposed cumsum
+
+
+def test_compare_pairs_the_batches_of_two_runs():
+    from benchmarks.peers.compare import compare
+
+    def row(tree, leaf):
+        return {
+            "activation_ratio": 0.5,
+            "grad_err_tree_batches": tree,
+            "grad_err_leaf_batches": leaf,
+        }
+
+    before = {("m", "autocast-f16"): row([1e-3, 2e-3, 3e-3], [1e-2, 1e-2, 1e-2])}
+    after = {("m", "autocast-f16"): row([2e-3, 1e-3, 3e-3], [2e-2, 2e-2, 5e-3])}
+    table = compare(before, after).splitlines()
+    assert len(table) == 3
+    cells = [c.strip() for c in table[2].strip("|").split("|")]
+    # leaf medians 1.0e-02 -> 2.0e-02, at most on 1 of 3; tree medians equal, at most on 2 of 3
+    assert cells == ["m", "autocast-f16", "0.50", "0.50", "3"] + [
+        "1.0e-02",
+        "2.0e-02",
+        "1/3",
+        "2.0e-03",
+        "2.0e-03",
+        "2/3",
+    ]

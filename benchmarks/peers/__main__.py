@@ -1,4 +1,4 @@
-"""``python -m benchmarks.peers [--quick] [--json PATH] [--models A,B]``
+"""``python -m benchmarks.peers [--quick] [--json PATH] [--models A,B] [--batches K]``
 
 Runs every peer model (`benchmarks.peers.models.PEERS`) in float32 and under
 ``mpjax.autocast`` and prints one markdown table (see `benchmarks.peers.harness`).
@@ -33,6 +33,13 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--models", help="comma-separated peer names (default: all): " + ", ".join(BY_NAME)
     )
+    parser.add_argument(
+        "--batches",
+        type=int,
+        default=1,
+        metavar="K",
+        help="also measure the gradient error on K batches (median and worst)",
+    )
     parser.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
     args = parser.parse_args(argv)
 
@@ -52,7 +59,7 @@ def main(argv=None) -> int:
     results = []
     for peer in peers:
         print(f"{peer.name} ...", file=sys.stderr, flush=True)
-        results.append(harness.run_peer(peer, variants, log=log))
+        results.append(harness.run_peer(peer, variants, log=log, batches=args.batches))
         print(
             f"{peer.name}: {results[-1]['status']} ({results[-1]['seconds']:.0f}s)",
             file=sys.stderr,
@@ -67,6 +74,9 @@ def main(argv=None) -> int:
     )
     print(header + "\n")
     print(table)
+    if args.batches > 1:
+        print(f"\nGradient error over {args.batches} batches:\n")
+        print(harness.render_batches(results))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(
@@ -78,6 +88,7 @@ def main(argv=None) -> int:
                         ]
                     ),
                     "jax": jax.__version__,
+                    "mpjax_commit": _mpjax_commit(),
                     "backend": jax.default_backend(),
                     "variants": list(variants),
                     "results": results,
@@ -87,6 +98,25 @@ def main(argv=None) -> int:
                 default=str,
             )
     return 0
+
+
+def _mpjax_commit() -> str | None:
+    """The git commit of the mpjax that ran, where it is a checkout (None if not)."""
+    import subprocess
+
+    import mpjax
+
+    where = os.path.dirname(os.path.realpath(mpjax.__file__))
+    try:
+        out = subprocess.run(
+            ["git", "-C", where, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip() or None
 
 
 if __name__ == "__main__":

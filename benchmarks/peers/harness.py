@@ -13,6 +13,11 @@ For each peer (see `benchmarks.peers.models`) and each variant (float32, or
   jitted): per parameter leaf ``max|g - g32| / max|g32|`` (the denominator floored
   at 1e-3 of the largest float32 gradient entry of the tree, see `LEAF_FLOOR`), the
   worst leaf reported; and over the whole tree ``||g - g32||_2 / ||g32||_2``.
+* with ``batches`` > 1, the **gradient error over several batches**: the same two
+  errors on ``batches`` batches (the first is the one above; the others draw their
+  data with other seeds, the parameters unchanged), kept per batch, their median
+  and worst shown. One batch is a noisy measure where a ReLU's or a max's choice
+  flips against float32; the median says which policy is the more accurate.
 * **16-bit reductions**: equations of ``jax.make_jaxpr(jax.grad(f))`` (sub-jaxprs
   included) that sum in float16/bfloat16: `REDUCTIONS` with a 16-bit operand and a
   16-bit result. ``dot_general`` and ``add_any`` are not counted.
@@ -281,6 +286,8 @@ class Row:
     seconds: float | None = None
     mem_batch: int | None = None
     grad_batch: int | None = None
+    grad_err_leaf_batches: list = dataclasses.field(default_factory=list)
+    grad_err_tree_batches: list = dataclasses.field(default_factory=list)
 
 
 def _short_error(e: BaseException) -> str:
@@ -288,8 +295,11 @@ def _short_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {first}"[:240]
 
 
-def run_peer(peer, variants=QUICK_VARIANTS, *, log=None) -> dict:
+def run_peer(peer, variants=QUICK_VARIANTS, *, log=None, batches: int = 1) -> dict:
     """All measurements of one peer: ``dict(model, status, seconds, rows)``.
+
+    With ``batches`` > 1, each row also holds the gradient errors on that many
+    batches (``grad_err_leaf_batches``, ``grad_err_tree_batches``).
 
     A peer whose optional packages are missing is ``skipped: needs X``; one whose
     build fails is ``failed: ...``; a variant that fails gets a ``failed`` row and
@@ -310,6 +320,9 @@ def run_peer(peer, variants=QUICK_VARIANTS, *, log=None) -> dict:
         _, mem_params, mem_batch = peer.build(peer.mem_batch)
         ref_grads = jax.jit(jax.grad(loss_fn))(params, batch)
         ref_loss = float(jax.jit(loss_fn)(params, batch))
+        more = [peer.build(peer.grad_batch, seed)[2] for seed in range(1, batches)]
+        ref_fn = jax.jit(jax.grad(loss_fn))
+        refs = [ref_grads] + [ref_fn(params, b) for b in more]
     except Exception as e:  # noqa: BLE001
         if log:
             log(traceback.format_exc())
@@ -348,6 +361,13 @@ def run_peer(peer, variants=QUICK_VARIANTS, *, log=None) -> dict:
             row.grads_finite = err["grads_finite"]
             row.grad_err_leaf_raw = err["grad_err_leaf_raw"]
             row.worst_leaf_raw = err["worst_leaf_raw"]
+            if more and variant != "float32":
+                grad_fn = jax.jit(jax.grad(f))
+                errs = [err] + [
+                    gradient_error(grad_fn(params, b), r) for b, r in zip(more, refs[1:])
+                ]
+                row.grad_err_leaf_batches = [e["grad_err_leaf"] for e in errs]
+                row.grad_err_tree_batches = [e["grad_err_tree"] for e in errs]
             found = find_16bit_reductions(jax.make_jaxpr(jax.grad(f))(params, batch))
             row.reductions_16bit = len(found)
             row.reductions_by_primitive = {}
@@ -444,3 +464,27 @@ def render(results: list[dict]) -> str:
     if notes:
         out += "\n\nSkipped or failed:\n" + "\n".join(notes)
     return out
+
+
+def render_batches(results: list[dict]) -> str:
+    """The gradient errors over several batches (``--batches``): median and worst."""
+    lines = [
+        "| model | variant | batches | worst leaf, median | worst leaf, worst batch "
+        "| tree, median | tree, worst batch |",
+        "|" + "---|" * 2 + "---:|" * 5,
+    ]
+    for res in results:
+        for r in res["rows"]:
+            leaf, tree = r.get("grad_err_leaf_batches"), r.get("grad_err_tree_batches")
+            if r["status"] != "ok" or not leaf:
+                continue
+            lines.append(
+                f"| {res['model']} | {r['variant']} | {len(leaf)} "
+                f"| {_err(_median(leaf))} | {_err(max(leaf))} "
+                f"| {_err(_median(tree))} | {_err(max(tree))} |"
+            )
+    return "\n".join(lines)
+
+
+def _median(xs: list) -> float:
+    return float(np.median(np.asarray(xs, np.float64)))

@@ -46,7 +46,9 @@ class Peer:
     """Where the model code comes from: repository, path (and commit or version)."""
     requires: tuple[str, ...]
     """Importable modules needed beyond mpjax's own dependencies (jax, flax, optax)."""
-    build: Callable[[int], tuple[Callable, object, dict]]
+    build: Callable[..., tuple[Callable, object, dict]]
+    """``build(batch_size, seed=0)``: the loss, the parameters (the same for every
+    seed) and a batch (`seed` picks which)."""
     grad_batch: int
     mem_batch: int
     note: str = ""
@@ -54,6 +56,12 @@ class Peer:
     def missing(self) -> list[str]:
         """The required modules that cannot be imported here."""
         return [m for m in self.requires if importlib.util.find_spec(m) is None]
+
+
+def _data(stream: int, seed: int) -> int:
+    """The seed of one of a batch's random streams: `seed` 0 is the batch every
+    figure is measured on, others are further batches (``--batches``)."""
+    return stream + 100 * seed
 
 
 def _key(seed: int):
@@ -75,7 +83,7 @@ def _images(seed: int, shape):
 # google/flax examples (need only flax)
 
 
-def build_lm1b(batch_size: int):
+def build_lm1b(batch_size: int, seed: int = 0):
     """examples/lm1b: the decoder-only Linen transformer, its weighted cross-entropy."""
     from benchmarks.peers.flax_examples import lm1b_models as models
     from benchmarks.peers.flax_examples.train_losses import lm1b_compute_weighted_cross_entropy
@@ -95,7 +103,7 @@ def build_lm1b(batch_size: int):
         deterministic=True,
     )
     model = models.TransformerLM(config)
-    inputs = _tokens(0, batch_size, 32, config.vocab_size)
+    inputs = _tokens(_data(0, seed), batch_size, 32, config.vocab_size)
     params = model.init(jax.random.key(0), inputs[:1])["params"]
 
     def loss_fn(params, batch):
@@ -109,7 +117,7 @@ def build_lm1b(batch_size: int):
     return loss_fn, params, {"inputs": inputs}
 
 
-def build_imagenet_resnet(batch_size: int):
+def build_imagenet_resnet(batch_size: int, seed: int = 0):
     """examples/imagenet: ResNet18 (narrow) with BatchNorm in training mode.
 
     The example's BatchNorm has ``axis_name='batch'`` (statistics averaged over the
@@ -127,9 +135,11 @@ def build_imagenet_resnet(batch_size: int):
     assert batch_size % replicas == 0
     num_classes = 10
     model = models.ResNet18(num_classes=num_classes, num_filters=16)
-    image = _images(1, (replicas, batch_size // replicas, 32, 32, 3))
+    image = _images(_data(1, seed), (replicas, batch_size // replicas, 32, 32, 3))
     label = jnp.asarray(
-        np.random.default_rng(2).integers(0, num_classes, (replicas, batch_size // replicas)),
+        np.random.default_rng(_data(2, seed)).integers(
+            0, num_classes, (replicas, batch_size // replicas)
+        ),
         jnp.int32,
     )
     variables = jax.vmap(
@@ -157,7 +167,7 @@ def build_imagenet_resnet(batch_size: int):
     return loss_fn, params, {"image": image, "label": label, "batch_stats": batch_stats}
 
 
-def build_vae(batch_size: int):
+def build_vae(batch_size: int, seed: int = 0):
     """examples/vae: the MLP VAE on 784-pixel binary images, BCE + KL."""
     from benchmarks.peers.flax_examples import vae_models as models
     from benchmarks.peers.flax_examples.train_losses import (
@@ -167,7 +177,9 @@ def build_vae(batch_size: int):
 
     latents = 20
     model = models.model(latents)
-    images = jnp.asarray(np.random.default_rng(3).random((batch_size, 784)) > 0.5, jnp.float32)
+    images = jnp.asarray(
+        np.random.default_rng(_data(3, seed)).random((batch_size, 784)) > 0.5, jnp.float32
+    )
     params = model.init(jax.random.key(0), images[:1], jax.random.key(1))["params"]
 
     def loss_fn(params, batch):
@@ -178,10 +190,10 @@ def build_vae(batch_size: int):
         kld_loss = kl_divergence(mean, logvar).mean()
         return bce_loss + kld_loss
 
-    return loss_fn, params, {"images": images, "z_rng": _key(4)}
+    return loss_fn, params, {"images": images, "z_rng": _key(_data(4, seed))}
 
 
-def build_sst2(batch_size: int):
+def build_sst2(batch_size: int, seed: int = 0):
     """examples/sst2: embedding, bidirectional LSTM (nn.scan over OptimizedLSTMCell),
     keys-only MLP attention, sigmoid cross-entropy. Dropout and word dropout off."""
     from benchmarks.peers.flax_examples import sst2_models as models
@@ -197,9 +209,9 @@ def build_sst2(batch_size: int):
         word_dropout_rate=0.1,
         unk_idx=1,
     )
-    rng = np.random.default_rng(5)
+    rng = np.random.default_rng(_data(5, seed))
     lengths = jnp.asarray(rng.integers(length // 2, length + 1, batch_size), jnp.int32)
-    token_ids = _tokens(6, batch_size, length, vocab)
+    token_ids = _tokens(_data(6, seed), batch_size, length, vocab)
     token_ids = jnp.where(jnp.arange(length)[None] < lengths[:, None], token_ids, 0)
     label = jnp.asarray(rng.integers(0, 2, batch_size), jnp.float32)
     params = model.init(jax.random.key(0), token_ids[:1], lengths[:1], deterministic=True)["params"]
@@ -217,7 +229,7 @@ def build_sst2(batch_size: int):
     return loss_fn, params, {"token_ids": token_ids, "length": lengths, "label": label}
 
 
-def build_gemma(batch_size: int):
+def build_gemma(batch_size: int, seed: int = 0):
     """examples/gemma: the NNX Gemma 3 transformer (local sliding + global attention,
     RoPE, QK-norm, RMSNorm, gated MLP, tied embeddings), 2 layers, tiny widths."""
     from flax import nnx
@@ -242,7 +254,7 @@ def build_gemma(batch_size: int):
     )
     model = transformer_lib.Transformer(config, rngs=nnx.Rngs(params=0))
     graphdef, params, nondiff = nnx.split(model, nnx.Param, ...)
-    tokens = _tokens(7, batch_size, 33, config.num_embed)
+    tokens = _tokens(_data(7, seed), batch_size, 33, config.num_embed)
 
     def loss_fn(params, batch):
         # examples/gemma/train.py's jax_train_step.loss_fn (no capture, no packing)
@@ -268,7 +280,7 @@ def _lm_loss(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def build_hf_gpt2(batch_size: int):
+def build_hf_gpt2(batch_size: int, seed: int = 0):
     """transformers FlaxGPT2LMHeadModel, 2 layers, next-token cross-entropy."""
     from transformers import FlaxGPT2LMHeadModel, GPT2Config
 
@@ -283,7 +295,7 @@ def build_hf_gpt2(batch_size: int):
         attn_pdrop=0.0,
     )
     model = FlaxGPT2LMHeadModel(config, seed=0, _do_init=True)
-    tokens = _tokens(8, batch_size, 33, config.vocab_size)
+    tokens = _tokens(_data(8, seed), batch_size, 33, config.vocab_size)
 
     def loss_fn(params, batch):
         inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
@@ -293,7 +305,7 @@ def build_hf_gpt2(batch_size: int):
     return loss_fn, model.params, {"tokens": tokens}
 
 
-def build_hf_vit(batch_size: int):
+def build_hf_vit(batch_size: int, seed: int = 0):
     """transformers FlaxViTForImageClassification, 2 layers, 32x32 images, patch 4."""
     import optax
     from transformers import FlaxViTForImageClassification, ViTConfig
@@ -311,8 +323,10 @@ def build_hf_vit(batch_size: int):
         num_labels=10,
     )
     model = FlaxViTForImageClassification(config, seed=0, _do_init=True)
-    pixels = _images(9, (batch_size, 3, 32, 32))
-    labels = jnp.asarray(np.random.default_rng(10).integers(0, 10, batch_size), jnp.int32)
+    pixels = _images(_data(9, seed), (batch_size, 3, 32, 32))
+    labels = jnp.asarray(
+        np.random.default_rng(_data(10, seed)).integers(0, 10, batch_size), jnp.int32
+    )
 
     def loss_fn(params, batch):
         logits = model(batch["pixel_values"], params=params, train=False).logits
@@ -341,7 +355,7 @@ class _ClipShim(types.ModuleType):
         )
 
 
-def build_hf_t5(batch_size: int):
+def build_hf_t5(batch_size: int, seed: int = 0):
     """transformers FlaxT5ForConditionalGeneration, 2+2 layers, seq2seq cross-entropy.
 
     Needs the `jnp.clip` shim on jax >= 0.10 (applied to T5's module only)."""
@@ -363,8 +377,8 @@ def build_hf_t5(batch_size: int):
         pad_token_id=0,
     )
     model = FlaxT5ForConditionalGeneration(config, seed=0, _do_init=True)
-    src = _tokens(11, batch_size, 32, config.vocab_size)
-    tgt = _tokens(12, batch_size, 16, config.vocab_size)
+    src = _tokens(_data(11, seed), batch_size, 32, config.vocab_size)
+    tgt = _tokens(_data(12, seed), batch_size, 16, config.vocab_size)
 
     def loss_fn(params, batch):
         labels = batch["labels"]
@@ -381,7 +395,7 @@ def build_hf_t5(batch_size: int):
 # equinox
 
 
-def build_eqx_vit(batch_size: int):
+def build_eqx_vit(batch_size: int, seed: int = 0):
     """equinox's vision_transformer example: eqx.nn.MultiheadAttention, LayerNorm,
     Linear under per-example vmap; 2 layers, 32x32 images, patch 4. Dropout off."""
     import equinox as eqx
@@ -400,9 +414,11 @@ def build_eqx_vit(batch_size: int):
         key=jax.random.key(0),
     )
     params, static = eqx.partition(model, eqx.is_inexact_array)
-    images = _images(13, (batch_size, 3, 32, 32))
-    labels = jnp.asarray(np.random.default_rng(14).integers(0, 10, batch_size), jnp.int32)
-    keys = jax.random.key_data(jax.random.split(jax.random.key(15), batch_size))
+    images = _images(_data(13, seed), (batch_size, 3, 32, 32))
+    labels = jnp.asarray(
+        np.random.default_rng(_data(14, seed)).integers(0, 10, batch_size), jnp.int32
+    )
+    keys = jax.random.key_data(jax.random.split(jax.random.key(_data(15, seed)), batch_size))
 
     def loss_fn(params, batch):
         model = eqx.combine(params, static)
