@@ -263,3 +263,19 @@ def test_compiled_memory_reports_both_measures(tmp_path, capsys):
         assert r["activation_bytes"] > 0
         assert r["compiled_temp_bytes"] is None or r["compiled_temp_bytes"] > 0
     assert "| resnet | autocast-bf16 |" in capsys.readouterr().out
+
+
+def test_fidelity_over_batches(capsys):
+    fidelity = importlib.import_module("benchmarks.fidelity")
+    with jax.allow_f16_reductions(True):  # the hand-cast model's 16-bit bias sums
+        out = fidelity.main(["--size", "smoke", "--families", "gpt", "--batches", "2"])
+    errors = out["gpt"]["errors"]
+    assert set(errors) == set(VARIANTS) - {"float32"}
+    for name, errs in errors.items():
+        assert len(errs) == 2 and all(0 < e < 0.1 for e in errs), (name, errs)
+        assert errs[0] != errs[1], name  # two different batches
+    row = [line for line in capsys.readouterr().out.splitlines() if "| autocast-f16 |" in line]
+    assert row and "(handcast-f16)" in row[0]
+    before = {"gpt": {"errors": {"autocast-f16": [errors["autocast-f16"][0], 0.0]}}}
+    (row,) = fidelity.compare(before, out).splitlines()[2:]
+    assert row.endswith("| 1/2 |")  # equal on the first batch, above 0 on the second
