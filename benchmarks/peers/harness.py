@@ -318,10 +318,10 @@ def run_peer(peer, variants=QUICK_VARIANTS, *, log=None, batches: int = 1) -> di
     try:
         loss_fn, params, batch = peer.build(peer.grad_batch)
         _, mem_params, mem_batch = peer.build(peer.mem_batch)
-        ref_grads = jax.jit(jax.grad(loss_fn))(params, batch)
+        ref_fn = jax.jit(jax.grad(loss_fn))
+        ref_grads = ref_fn(params, batch)
         ref_loss = float(jax.jit(loss_fn)(params, batch))
         more = [peer.build(peer.grad_batch, seed)[2] for seed in range(1, batches)]
-        ref_fn = jax.jit(jax.grad(loss_fn))
         refs = [ref_grads] + [ref_fn(params, b) for b in more]
     except Exception as e:  # noqa: BLE001
         if log:
