@@ -1,7 +1,7 @@
 """The loss scaler's own cost against the bare optimizer, in one process.
 
     PYTHONPATH=. python -m benchmarks.scaler [--leaves 10 100 1000 10000] [--params 1e6 1e8]
-        [--models gpt resnet]
+        [--models gpt resnet] [--check 1e4 1e5 1e6 1e7] [--repeats 15]
 
 Two ratios, each `grad_scaler(optax.adam(1e-3))` over bare `optax.adam(1e-3)`, with
 the default check (the gradients, as torch) and with ``check_updates=True`` (the
@@ -11,6 +11,10 @@ updates too):
   leaves (the median of interleaved repeats);
 * step: run time of the compiled update on a tree of 10 leaves holding the given
   number of parameters in all (the median of interleaved repeats).
+
+With ``--check``, the finite check of one float32 leaf of each size alone, by
+both reductions `mpjax._scaler_update._nonfinite` chooses between, against an
+elementwise pass over the same leaf (``x + 1``).
 
 With ``--models``, also the whole jitted training step of each benchmark model
 (autocast float16 loss, `grad_scaler(adamw)` against plain adamw) at the size the
@@ -28,6 +32,7 @@ import optax
 
 import mpjax
 from benchmarks import timing
+from mpjax import _scaler_update
 from benchmarks.models import SIZES
 
 
@@ -71,16 +76,16 @@ def compile_ratio(n: int, repeats: int = 3) -> dict:
     return {"leaves": n, **_ratios(med, "total")}
 
 
-def _step_seconds(update, grads, state, params, calls: int) -> dict[str, float]:
-    jax.block_until_ready(update(grads, state, params))
+def _step_seconds(fn, *args, calls: int) -> dict[str, float]:
+    jax.block_until_ready(fn(*args))
     t0 = time.perf_counter()
     for _ in range(calls):
-        out = update(grads, state, params)
+        out = fn(*args)
     jax.block_until_ready(out)
     return {"step": (time.perf_counter() - t0) / calls}
 
 
-def step_ratio(total_params: int, leaves: int = 10, repeats: int = 7) -> dict:
+def step_ratio(total_params: int, leaves: int = 10, repeats: int = 15) -> dict:
     """Run time of the compiled update, scaler over bare adam, on `total_params`."""
     params = _leaves(leaves, total_params // leaves)
     grads = jax.tree.map(lambda p: p * 0.25, params)
@@ -88,9 +93,35 @@ def step_ratio(total_params: int, leaves: int = 10, repeats: int = 7) -> dict:
     contenders = {}
     for name, tx in _contenders().items():
         update, state = jax.jit(tx.update), tx.init(params)
-        contenders[name] = lambda u=update, s=state: _step_seconds(u, grads, s, params, calls)
+        contenders[name] = lambda u=update, s=state: _step_seconds(u, grads, s, params, calls=calls)
     med = timing.interleaved(contenders, repeats=repeats)
     return {"params": total_params, **_ratios(med, "step")}
+
+
+_CHECKS = {
+    "elementwise pass": lambda x: x + 1,
+    "any over booleans": lambda x: jnp.any(~jnp.isfinite(x)),
+    "max over bytes": lambda x: jnp.max((~jnp.isfinite(x)).astype(jnp.uint8)),
+}
+
+
+def check_ratios(size: int, repeats: int = 15) -> dict:
+    """Run time of each finite check on one leaf of `size` elements, over a pass."""
+    x = jnp.full((size,), 0.5, jnp.float32)
+    calls = max(1, int(2e7 // size))
+    contenders = {}
+    for name, fn in _CHECKS.items():
+        compiled = jax.jit(fn).lower(x).compile()
+        contenders[name] = lambda c=compiled: _step_seconds(c, x, calls=calls)
+    med = timing.interleaved(contenders, repeats=repeats)
+    base = med["elementwise pass"]["step"]
+    large = size >= _scaler_update._BYTE_CHECK_FROM
+    return {
+        "size": size,
+        "pass_s": base,
+        **{name: med[name]["step"] / base for name in list(_CHECKS)[1:]},
+        "used": "max over bytes" if large else "any over booleans",
+    }
 
 
 def main(argv=None) -> None:
@@ -98,24 +129,40 @@ def main(argv=None) -> None:
     parser.add_argument("--leaves", type=int, nargs="*", default=[10, 100, 1000])
     parser.add_argument("--params", type=float, nargs="*", default=[1e6])
     parser.add_argument("--models", nargs="*", default=[], choices=sorted(SIZES["runtime"]))
+    parser.add_argument("--check", type=float, nargs="*", default=[])
+    parser.add_argument("--repeats", type=int, default=15, help="of each run-time measurement")
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
-    print(
-        "| leaves | adam compile (s) | grad_scaler (s) | ratio | check_updates=True (s) | ratio |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|")
+    if args.leaves:
+        print(
+            "| leaves | adam compile (s) | grad_scaler (s) | ratio "
+            "| check_updates=True (s) | ratio |"
+        )
+        print("|---:|---:|---:|---:|---:|---:|")
     for n in args.leaves:
         r = compile_ratio(n, repeats=3 if n < 1000 else 1)
         print(f"| {n} | {_row(r, '.2f', 1)}", flush=True)
-    print()
-    print(
-        "| parameters (10 leaves) | adam step (ms) | grad_scaler (ms) | ratio "
-        "| check_updates=True (ms) | ratio |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|")
+    if args.params:
+        print()
+        print(
+            "| parameters (10 leaves) | adam step (ms) | grad_scaler (ms) | ratio "
+            "| check_updates=True (ms) | ratio |"
+        )
+        print("|---:|---:|---:|---:|---:|---:|")
     for p in args.params:
-        r = step_ratio(int(p))
+        r = step_ratio(int(p), repeats=args.repeats)
         print(f"| {int(p):.0e} | {_row(r, '.2f', 1e3)}", flush=True)
+    if args.check:
+        print()
+        print("| leaf size | pass (us) | any over booleans | max over bytes | mpjax uses |")
+        print("|---:|---:|---:|---:|---|")
+    for size in args.check:
+        r = check_ratios(int(size), repeats=args.repeats)
+        print(
+            f"| {int(size)} | {1e6 * r['pass_s']:.1f} | {r['any over booleans']:.3f} "
+            f"| {r['max over bytes']:.3f} | {r['used']} |",
+            flush=True,
+        )
     if args.models:
         print()
         print("| model | step ms adamw | step ms grad_scaler(adamw) | ratio |")

@@ -140,12 +140,12 @@ def _all_finite_everywhere(config: ScalerConfig, tree):
 def _finite_flags(config: ScalerConfig, tree, subtrees: dict):
     """Whether all of `tree` is finite, and for each of `subtrees` whether it is not.
 
-    One reduction per leaf, to a flag that is true where the leaf holds an inf or
-    a NaN; they are combined by one more. A subtree of a single leaf (a flat dict
-    of parameters) reports that leaf's flag itself, with no op of its own.
+    One reduction per leaf (`_nonfinite`); the leaves' flags are combined by one
+    more. A subtree of a single small leaf (a flat dict of parameters) reports
+    that leaf's flag itself, with no op of its own.
     """
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    flags = [(path, jnp.any(~jnp.isfinite(x))) for path, x in flat if _is_inexact(x)]
+    flags = [(path, _nonfinite(x)) for path, x in flat if _is_inexact(x)]
     finite = jnp.logical_not(_any([f for _, f in flags]))
     by_name: dict = {}
     if subtrees:
@@ -163,6 +163,24 @@ def _finite_flags(config: ScalerConfig, tree, subtrees: dict):
         finite = total[0] == 0
         nonfinite = {name: t > 0 for name, t in zip(nonfinite, total[1:])}
     return finite, nonfinite
+
+
+_BYTE_CHECK_FROM = 2**14
+"""Leaves of this many elements or more are checked by a max over bytes."""
+
+
+def _nonfinite(x) -> jax.Array:
+    """Whether `x` holds an inf or a NaN: a bool, or a uint8 0/1 for a large `x`.
+
+    XLA:CPU runs a max over bytes in about half the time of ``any`` over
+    booleans (``python -m benchmarks.scaler --check``), but its result needs one
+    more scalar kernel to become the bool a subtree's flag is: worth it only
+    where the leaf's bytes, not the kernels, cost the time.
+    """
+    nonfinite = ~jnp.isfinite(x)
+    if x.size < _BYTE_CHECK_FROM:
+        return jnp.any(nonfinite)
+    return jnp.max(nonfinite.astype(jnp.uint8))
 
 
 def subtree_names(params) -> list[str]:
@@ -228,15 +246,16 @@ def accumulator_dtype(p):
 
 
 def _any(flags) -> jax.Array:
-    """Whether any of `flags` (bool scalars, one per leaf) is true.
+    """Whether any of `flags` (scalars from `_nonfinite`) is set, as a bool.
 
-    Combined by one reduction (a float32 max of their stack). Combined with
+    Combined by one reduction, a float32 max of their stack. Combined with
     ``|`` instead, the flag is a chain of cheap scalar ops that XLA copies into
     every fusion reading it (every select of the step), so compile time grew with
-    the square of the number of leaves; a reduction is never copied.
+    the square of the number of leaves; a reduction is never copied. (XLA turns
+    a max over a stack of integers into such a chain too: hence float32.)
     """
     if len(flags) <= 1:
-        return flags[0] if flags else jnp.array(False)
+        return flags[0].astype(bool) if flags else jnp.array(False)
     return jnp.max(jnp.stack(flags).astype(jnp.float32)) > 0
 
 

@@ -234,6 +234,19 @@ def test_scaler_benchmark_runs_and_reports_ratios(capsys):
     assert len(ratios) == 4 and all(r > 0 for r in ratios)
 
 
+def test_scaler_benchmark_times_the_finite_check_by_leaf_size(capsys):
+    from benchmarks import scaler
+    from mpjax import _scaler_update
+
+    large = _scaler_update._BYTE_CHECK_FROM
+    scaler.main(["--leaves", "--params", "--check", str(large - 1), str(large)])
+    out = capsys.readouterr().out
+    assert "adam" not in out  # no compile or update rows were asked for
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| 1638")]
+    assert [row[5].strip() for row in rows] == ["any over booleans", "max over bytes"]
+    assert all(float(row[i]) > 0 for row in rows for i in (2, 3, 4))
+
+
 def test_scaler_benchmark_times_a_models_training_step(monkeypatch, capsys):
     from benchmarks import models, scaler
 

@@ -14,6 +14,7 @@ of the float32 range.
 
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +22,7 @@ import optax
 import pytest
 
 import mpjax
+from mpjax import _scaler_update
 from mpjax.gradients import unscale
 
 
@@ -164,3 +166,34 @@ def test_accumulated_gradients_near_the_float32_maximum_do_not_overflow():
         updates, state = update(micro, state)
     assert not bool(state.last_step_skipped)
     np.testing.assert_array_equal(np.asarray(updates["w"]), [-(2.0**126), 2.0**125])
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_one_bad_element_of_any_leaf_size_skips_the_step(bad):
+    # Large leaves are checked by a max over bytes, small ones by `any` over
+    # booleans: a single bad element, first or last, must skip the step on either
+    # side of that size, in a leaf that is a subtree of its own and in a block.
+    large = _scaler_update._BYTE_CHECK_FROM
+    params = {
+        "small": jnp.ones((3,)),
+        "below": jnp.ones((large - 1,)),
+        "large": jnp.ones((large,)),
+        "block": {"w": jnp.ones((2, large), jnp.bfloat16), "b": jnp.ones((3,))},
+    }
+    tx = mpjax.grad_scaler(optax.adam(1e-3))
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    _, state = update(jax.tree.map(jnp.ones_like, params), state, params)  # moments != 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        for index in (0, leaf.size - 1):
+            grads = jax.tree.map(jnp.ones_like, params)
+            bad_leaf = jnp.ravel(leaf).at[index].set(bad).reshape(leaf.shape)
+            grads = jax.tree_util.tree_map_with_path(
+                lambda p, g, path=path, bad_leaf=bad_leaf: bad_leaf if p == path else g, grads
+            )
+            updates, new_state = update(grads, state, params)
+            assert bool(new_state.last_step_skipped), (path, index)
+            chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+            chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, updates))
+            flags = {k: bool(v) for k, v in new_state.nonfinite_subtrees.items()}
+            assert flags == {k: k == jax.tree_util.keystr(path[:1]) for k in flags}, path
