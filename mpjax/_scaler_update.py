@@ -178,7 +178,7 @@ def _nonfinite(x) -> jax.Array:
     where the leaf's bytes, not the kernels, cost the time.
     """
     nonfinite = ~jnp.isfinite(x)
-    if x.size < _BYTE_CHECK_FROM:
+    if jnp.size(x) < _BYTE_CHECK_FROM:
         return jnp.any(nonfinite)
     return jnp.max(nonfinite.astype(jnp.uint8))
 

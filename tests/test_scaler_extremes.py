@@ -197,3 +197,21 @@ def test_one_bad_element_of_any_leaf_size_skips_the_step(bad):
             chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, updates))
             flags = {k: bool(v) for k, v in new_state.nonfinite_subtrees.items()}
             assert flags == {k: k == jax.tree_util.keystr(path[:1]) for k in flags}, path
+
+
+def test_python_and_numpy_leaves_of_any_size_are_checked_eagerly():
+    large = _scaler_update._BYTE_CHECK_FROM
+    params = {"a": 1.0, "b": np.ones(large, np.float32)}
+    tx = mpjax.grad_scaler(optax.sgd(0.5))
+    state = tx.init(params)
+    updates, state = tx.update({"a": 0.5, "b": np.ones(large, np.float32)}, state, params)
+    assert float(updates["a"]) == -0.25 and not bool(state.last_step_skipped)
+    bad = np.ones(large, np.float32)
+    bad[-1] = np.nan
+    for grads, culprit in (
+        ({"a": float("inf"), "b": np.ones(large, np.float32)}, "['a']"),
+        ({"a": 0.5, "b": bad}, "['b']"),
+    ):
+        updates, new_state = tx.update(grads, state, params)
+        assert bool(new_state.last_step_skipped) and float(updates["a"]) == 0.0
+        assert {k for k, v in new_state.nonfinite_subtrees.items() if v} == {culprit}
