@@ -26,8 +26,8 @@ from mpjax import _scaler_update
 from mpjax.gradients import unscale
 
 
-def _compiled_size(tx, n_leaves: int) -> int:
-    params = {f"p{i:04d}": jnp.ones((4, 3), jnp.float32) for i in range(n_leaves)}
+def _compiled_size(tx, n_leaves: int, shape=(4, 3)) -> int:
+    params = {f"p{i:04d}": jnp.ones(shape, jnp.float32) for i in range(n_leaves)}
     state = tx.init(params)
     text = jax.jit(tx.update).lower(params, state, params).compile().as_text()
     return text.count("\n")
@@ -42,6 +42,16 @@ def test_compiled_update_grows_linearly_with_the_number_of_leaves():
     # ... and the per-leaf cost does not depend on how many leaves there are.
     small = _compiled_size(mpjax.grad_scaler(optax.adam(1e-3)), 50)
     assert scaled <= 4.5 * small, (scaled, small)
+
+
+def test_compiled_update_grows_linearly_with_large_leaves_too():
+    # Large leaves are checked by a max over bytes, whose flags are combined
+    # as the booleans of small leaves are: a max over integers would become a
+    # chain of scalar ops copied into every select (the quadratic program).
+    shape = (_scaler_update._BYTE_CHECK_FROM,)
+    bare = _compiled_size(optax.adam(1e-3), 200, shape)
+    scaled = _compiled_size(mpjax.grad_scaler(optax.adam(1e-3)), 200, shape)
+    assert scaled <= 4 * bare, (scaled, bare)
 
 
 def _kernels(tx, n_leaves: int) -> int:
