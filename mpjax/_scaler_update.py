@@ -172,7 +172,7 @@ _BYTE_CHECK_FROM = 2**14
 def _nonfinite(x) -> jax.Array:
     """Whether `x` holds an inf or a NaN: a bool, or a uint8 0/1 for a large `x`.
 
-    XLA:CPU runs a max over bytes in about half the time of ``any`` over
+    XLA:CPU runs a max over bytes in 0.4x to 0.8x the time of ``any`` over
     booleans (``python -m benchmarks.scaler --check``), but its result needs one
     more scalar kernel to become the bool a subtree's flag is: worth it only
     where the leaf's bytes, not the kernels, cost the time.
