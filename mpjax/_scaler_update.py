@@ -177,10 +177,15 @@ def _nonfinite(x) -> jax.Array:
     more scalar kernel to become the bool a subtree's flag is: worth it only
     where the leaf's bytes, not the kernels, cost the time.
     """
-    nonfinite = ~jnp.isfinite(x)
-    if jnp.size(x) < _BYTE_CHECK_FROM:
-        return jnp.any(nonfinite)
-    return jnp.max(nonfinite.astype(jnp.uint8))
+    return _nonfinite_bools(x) if jnp.size(x) < _BYTE_CHECK_FROM else _nonfinite_bytes(x)
+
+
+def _nonfinite_bools(x) -> jax.Array:
+    return jnp.any(~jnp.isfinite(x))
+
+
+def _nonfinite_bytes(x) -> jax.Array:
+    return jnp.max((~jnp.isfinite(x)).astype(jnp.uint8))
 
 
 def subtree_names(params) -> list[str]:
