@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from benchmarks.models import SIZES
+from benchmarks.peers.compare import _at_most
 from benchmarks.timing import _rel
 from benchmarks.variants import VARIANTS, value_fn
 
@@ -92,10 +93,9 @@ def compare(before: dict, after: dict) -> str:
             then = before.get(family, {}).get("errors", {}).get(n)
             if then is None or len(then) != len(errs):
                 continue
-            at_most = sum(a <= b for a, b in zip(errs, then))
             lines.append(
                 f"| {family} | {n} | {np.median(then):.3e} | {np.median(errs):.3e} "
-                f"| {at_most}/{len(errs)} |"
+                f"| {_at_most(errs, then)} |"
             )
     return "\n".join(lines)
 
