@@ -1,16 +1,21 @@
 """The loss scaler's own cost against the bare optimizer, in one process.
 
     PYTHONPATH=. python -m benchmarks.scaler [--leaves 10 100 1000 10000] [--params 1e6 1e8]
-        [--models gpt resnet] [--check 1e4 1e5 1e6 1e7] [--repeats 15]
+        [--parts] [--models gpt resnet] [--check 1e4 1e5 1e6 1e7] [--repeats 15]
 
-Two ratios, each `grad_scaler(optax.adam(1e-3))` over bare `optax.adam(1e-3)`, with
-the default check (the gradients, as torch) and with ``check_updates=True`` (the
-updates too):
+Two ratios over bare `optax.adam(1e-3)`, each for `grad_scaler(optax.adam(1e-3))` with
+the default check (the gradients, as torch), with ``check_updates=True`` (the updates
+too), and for optax's own skip-on-non-finite wrapper, `optax.apply_if_finite`:
 
 * compile: trace, lower and compile ``jax.jit(tx.update)`` on a dict of n small
   leaves (the median of interleaved repeats);
 * step: run time of the compiled update on a tree of 10 leaves holding the given
   number of parameters in all (the median of interleaved repeats).
+
+With ``--parts``, the compile time of the default scaler's two halves on the same
+leaves, each over bare adam: adam with the finite check alone (the scaler's own
+per-leaf flags and their combination, no selection), and adam with the selection
+alone (the gradients, updates and state selected on a flag that is a jit argument).
 
 With ``--check``, the finite check of one float32 leaf of each size alone, by
 both reductions `mpjax._scaler_update._nonfinite` chooses between, against an
@@ -40,40 +45,82 @@ def _leaves(n: int, size: int) -> dict:
     return {f"p{i:05d}": jnp.full((size,), 0.5, jnp.float32) for i in range(n)}
 
 
-def _compile_seconds(tx: optax.GradientTransformation, params: dict) -> dict[str, float]:
-    state = tx.init(params)
-    fresh = lambda *args: tx.update(*args)  # a new function: no cached trace or executable
+def _compile_seconds(update, *args) -> dict[str, float]:
+    fresh = lambda *a: update(*a)  # a new function: no cached trace or executable
     t0 = time.perf_counter()
-    jax.jit(fresh).lower(params, state, params).compile()
+    jax.jit(fresh).lower(*args).compile()
     return {"total": time.perf_counter() - t0}
 
 
-_SCALERS = {"scaler": {}, "scaler_checking_updates": {"check_updates": True}}
-"""The scalers measured against bare adam, by name: `grad_scaler`'s keyword arguments."""
+_SCALERS = {
+    "grad_scaler": mpjax.grad_scaler,
+    "check_updates=True": lambda tx: mpjax.grad_scaler(tx, check_updates=True),
+    "optax.apply_if_finite": lambda tx: optax.apply_if_finite(tx, max_consecutive_errors=5),
+}
+"""The wrappers of adam measured against bare adam, by name."""
 
 
 def _contenders() -> dict[str, optax.GradientTransformation]:
-    scalers = {k: mpjax.grad_scaler(optax.adam(1e-3), **kw) for k, kw in _SCALERS.items()}
-    return {"adam": optax.adam(1e-3), **scalers}
+    return {"adam": optax.adam(1e-3), **{k: wrap(optax.adam(1e-3)) for k, wrap in _SCALERS.items()}}
 
 
-def _ratios(med: dict, field: str) -> dict:
+def _ratios(med: dict, field: str, names) -> dict:
     a = med["adam"][field]
     out = {"adam_s": a}
-    for name in _SCALERS:
+    for name in names:
         out[f"{name}_s"], out[f"{name}_ratio"] = med[name][field], med[name][field] / a
     return out
 
 
 def compile_ratio(n: int, repeats: int = 3) -> dict:
-    """Compile seconds of the scaler's update and of bare adam's, on n leaves."""
+    """Compile seconds of each wrapper's update and of bare adam's, on n leaves."""
     params = _leaves(n, 12)
-    med = timing.interleaved(
-        {k: lambda tx=tx: _compile_seconds(tx, params) for k, tx in _contenders().items()},
-        repeats=repeats,
-        warmup=False,
-    )
-    return {"leaves": n, **_ratios(med, "total")}
+    contenders = {
+        k: lambda tx=tx, s=tx.init(params): _compile_seconds(tx.update, params, s, params)
+        for k, tx in _contenders().items()
+    }
+    med = timing.interleaved(contenders, repeats=repeats, warmup=False)
+    return {"leaves": n, **_ratios(med, "total", _SCALERS)}
+
+
+def _check_only(adam):
+    """adam's update and the scaler's finite check of the gradients, nothing selected."""
+
+    def update(grads, state, params):
+        flags = [_scaler_update._nonfinite(g) for g in jax.tree.leaves(grads)]
+        # The per-leaf flags are outputs, as the scaler's `nonfinite_subtrees` of a flat dict.
+        return adam.update(grads, state, params), flags, _scaler_update._any(flags)
+
+    return update
+
+
+def _selection_only(adam):
+    """adam's update with the scaler's selection on `applied`, a flag XLA cannot fold."""
+
+    def update(grads, state, params, applied):
+        grads = _scaler_update._zeros_unless(applied, grads)
+        updates, new_state = adam.update(grads, state, params)
+        updates = _scaler_update._zeros_unless(applied, updates)
+        return updates, _scaler_update._select(applied, new_state, state)
+
+    return update
+
+
+_PARTS = {"check only": _check_only, "selection only": _selection_only}
+
+
+def parts_ratio(n: int, repeats: int = 3) -> dict:
+    """Compile seconds of the default scaler's two halves and of bare adam, on n leaves."""
+    params = _leaves(n, 12)
+    adam = optax.adam(1e-3)
+    args = (params, adam.init(params), params)
+    contenders = {
+        "adam": lambda: _compile_seconds(adam.update, *args),
+        "check only": lambda: _compile_seconds(_check_only(adam), *args),
+        "selection only": lambda: _compile_seconds(_selection_only(adam), *args, jnp.array(True)),
+    }
+    med = timing.interleaved(contenders, repeats=repeats, warmup=False)
+    return {"leaves": n, **_ratios(med, "total", _PARTS)}
 
 
 def _step_seconds(fn, *args, calls: int) -> dict[str, float]:
@@ -95,7 +142,7 @@ def step_ratio(total_params: int, leaves: int = 10, repeats: int = 15) -> dict:
         update, state = jax.jit(tx.update), tx.init(params)
         contenders[name] = lambda u=update, s=state: _step_seconds(u, grads, s, params, calls=calls)
     med = timing.interleaved(contenders, repeats=repeats)
-    return {"params": total_params, **_ratios(med, "step")}
+    return {"params": total_params, **_ratios(med, "step", _SCALERS)}
 
 
 _CHECKS = {
@@ -128,30 +175,29 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--leaves", type=int, nargs="*", default=[10, 100, 1000])
     parser.add_argument("--params", type=float, nargs="*", default=[1e6])
+    parser.add_argument("--parts", action="store_true", help="the scaler's halves' compile")
     parser.add_argument("--models", nargs="*", default=[], choices=sorted(SIZES["runtime"]))
     parser.add_argument("--check", type=float, nargs="*", default=[])
     parser.add_argument("--repeats", type=int, default=15, help="of each run-time measurement")
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
     if args.leaves:
-        print(
-            "| leaves | adam compile (s) | grad_scaler (s) | ratio "
-            "| check_updates=True (s) | ratio |"
-        )
-        print("|---:|---:|---:|---:|---:|---:|")
+        print(_header("leaves", "adam compile (s)", _SCALERS, "s"))
     for n in args.leaves:
         r = compile_ratio(n, repeats=3 if n < 1000 else 1)
-        print(f"| {n} | {_row(r, '.2f', 1)}", flush=True)
+        print(f"| {n} | {_row(r, _SCALERS, '.2f', 1)}", flush=True)
+    if args.leaves and args.parts:
+        print()
+        print(_header("leaves", "adam compile (s)", _PARTS, "s"))
+    for n in args.leaves if args.parts else ():
+        r = parts_ratio(n, repeats=3 if n < 1000 else 1)
+        print(f"| {n} | {_row(r, _PARTS, '.2f', 1)}", flush=True)
     if args.params:
         print()
-        print(
-            "| parameters (10 leaves) | adam step (ms) | grad_scaler (ms) | ratio "
-            "| check_updates=True (ms) | ratio |"
-        )
-        print("|---:|---:|---:|---:|---:|---:|")
+        print(_header("parameters (10 leaves)", "adam step (ms)", _SCALERS, "ms"))
     for p in args.params:
         r = step_ratio(int(p), repeats=args.repeats)
-        print(f"| {int(p):.0e} | {_row(r, '.2f', 1e3)}", flush=True)
+        print(f"| {int(p):.0e} | {_row(r, _SCALERS, '.2f', 1e3)}", flush=True)
     if args.check:
         print()
         print("| leaf size | pass (us) | any over booleans | max over bytes | mpjax uses |")
@@ -177,9 +223,14 @@ def main(argv=None) -> None:
         )
 
 
-def _row(r: dict, fmt: str, unit: float) -> str:
+def _header(first: str, base: str, names, unit: str) -> str:
+    cells = [first, base] + [c for name in names for c in (f"{name} ({unit})", "ratio")]
+    return "| " + " | ".join(cells) + " |\n|" + "---:|" * len(cells)
+
+
+def _row(r: dict, names, fmt: str, unit: float) -> str:
     cells = [format(unit * r["adam_s"], fmt)]
-    for name in _SCALERS:
+    for name in names:
         cells += [format(unit * r[f"{name}_s"], fmt), f"{r[f'{name}_ratio']:.3f}"]
     return " | ".join(cells) + " |"
 

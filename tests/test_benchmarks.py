@@ -229,9 +229,57 @@ def test_scaler_benchmark_runs_and_reports_ratios(capsys):
     out = capsys.readouterr().out
     assert "| 3 |" in out and "| 3e+03 |" in out
     rows = [line.split("|") for line in out.splitlines() if line.startswith("| 3")]
-    # each row: adam, then the scaler and check_updates=True, each with its ratio
-    ratios = [float(row[i]) for row in rows for i in (4, 6)]
-    assert len(ratios) == 4 and all(r > 0 for r in ratios)
+    # each row: adam, then the scaler, check_updates=True and optax.apply_if_finite,
+    # each with its ratio
+    ratios = [float(row[i]) for row in rows for i in (4, 6, 8)]
+    assert len(ratios) == 6 and all(r > 0 for r in ratios)
+
+
+def test_scaler_benchmark_compiles_the_scalers_halves_apart(capsys):
+    from benchmarks import scaler
+
+    scaler.main(["--leaves", "3", "--params", "--parts"])
+    out = capsys.readouterr().out
+    assert "| check only (s) | ratio | selection only (s) | ratio |" in out
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| 3 |")]
+    assert len(rows) == 2  # the wrappers' row, then the halves'
+    assert all(float(rows[1][i]) > 0 for i in (2, 3, 4, 5, 6))
+
+
+def test_the_scalers_halves_add_up_to_the_scalers_kernels_per_leaf():
+    """What `--parts` times is the scaler's per-leaf program, split in two.
+
+    The check alone adds one kernel per leaf (its reduction); the selection alone
+    none (XLA folds the selects into adam's passes); the whole scaler adds per leaf
+    exactly what the two add.
+    """
+    import optax
+
+    import mpjax
+    from benchmarks import scaler
+
+    adam = optax.adam(1e-3)
+    tx = mpjax.grad_scaler(adam)
+
+    def kernels(n):
+        params = scaler._leaves(n, 12)
+        state = adam.init(params)
+        programs = {
+            "adam": (adam.update, params, state, params),
+            "check": (scaler._check_only(adam), params, state, params),
+            "selection": (scaler._selection_only(adam), params, state, params, jnp.array(True)),
+            "scaler": (tx.update, params, tx.init(params), params),
+        }
+        out = {}
+        for name, (update, *args) in programs.items():
+            text = jax.jit(update).lower(*args).compile().as_text()
+            out[name] = text[text.index("ENTRY") :].count(" fusion(")
+        return out
+
+    small, large = kernels(4), kernels(8)
+    per_leaf = {k: (large[k] - small[k] - (large["adam"] - small["adam"])) / 4 for k in small}
+    assert per_leaf["check"] == 1 and per_leaf["selection"] == 0
+    assert per_leaf["scaler"] == per_leaf["check"] + per_leaf["selection"]
 
 
 def test_scaler_benchmark_times_the_finite_check_by_leaf_size(capsys):
