@@ -106,7 +106,8 @@ def _selection_only(adam):
     return update
 
 
-_PARTS = {"check only": _check_only, "selection only": _selection_only}
+_PARTS = ("check only", "selection only")
+"""The default scaler's two halves, as `parts_ratio` names them."""
 
 
 def parts_ratio(n: int, repeats: int = 3) -> dict:
