@@ -2,6 +2,7 @@
 
 import datetime
 import os
+import re
 
 # Eight simulated CPU devices for the data-parallel tests; set before jax starts.
 os.environ["XLA_FLAGS"] = (
@@ -136,3 +137,13 @@ def low(request):
 def rel_tol(low):
     """Tolerance for a 16-bit program against float32: a few units of the last place."""
     return 2e-2 if np.dtype(low) == F16 else 6e-2
+
+
+def compiled_kernels(fn, *args) -> int:
+    """The instructions of ``jax.jit(fn)``'s compiled entry computation, for `args`,
+    that run as kernels (fusions, copies, unfused ops)."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    entry = text[text.index("\nENTRY") :].splitlines()[1:]
+    ops = (re.search(r" = \S+ ([\w-]+)\(", line) for line in entry)
+    free = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
+    return sum(1 for m in ops if m and m.group(1) not in free)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import compiled_kernels
 
 # `benchmarks/` sits beside `mpjax/` in the repository and is not installed.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -270,11 +271,7 @@ def test_the_scalers_halves_add_up_to_the_scalers_kernels_per_leaf():
             "selection": (scaler._selection_only(adam), params, state, params, jnp.array(True)),
             "scaler": (tx.update, params, tx.init(params), params),
         }
-        out = {}
-        for name, (update, *args) in programs.items():
-            text = jax.jit(update).lower(*args).compile().as_text()
-            out[name] = text[text.index("ENTRY") :].count(" fusion(")
-        return out
+        return {name: compiled_kernels(*program) for name, program in programs.items()}
 
     small, large = kernels(4), kernels(8)
     per_leaf = {k: (large[k] - small[k] - (large["adam"] - small["adam"])) / 4 for k in small}

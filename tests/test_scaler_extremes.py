@@ -12,14 +12,13 @@ of the float32 range.
   updates.
 """
 
-import re
-
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import compiled_kernels
 
 import mpjax
 from mpjax import _scaler_update
@@ -58,11 +57,7 @@ def _kernels(tx, n_leaves: int) -> int:
     """The instructions of the compiled update's entry computation that run as
     kernels (fusions, copies, unfused ops), for n leaves of 12 parameters."""
     params = {f"p{i:04d}": jnp.ones((4, 3), jnp.float32) for i in range(n_leaves)}
-    text = jax.jit(tx.update).lower(params, tx.init(params), params).compile().as_text()
-    entry = text[text.index("\nENTRY") :].splitlines()[1:]
-    ops = (re.search(r" = \S+ ([\w-]+)\(", line) for line in entry)
-    free = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
-    return sum(1 for m in ops if m and m.group(1) not in free)
+    return compiled_kernels(tx.update, params, tx.init(params), params)
 
 
 @pytest.mark.parametrize(
