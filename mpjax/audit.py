@@ -58,7 +58,7 @@ class AuditReport:
       ...     return jnp.sum(jnp.exp(x @ w))
       >>> report = mpjax.audit(mpjax.autocast(f), jnp.ones((4, 3)), jnp.ones((2, 4)))
       >>> report.matmul_flops, report.low_precision_fraction, report.casts_inserted
-      (48, 1.0, 2)
+      (48, 1.0, 4)
     """
 
     equations: tuple[Equation, ...]
@@ -182,8 +182,8 @@ def _walk(jaxpr, path: str = "", repeat: int = 1):
 def _live(jaxpr) -> list:
     """The equations of `jaxpr` whose results are used: what runs once compiled.
 
-    Tracing keeps a result nobody reads (autocast rounds a product to 16 bits
-    even where only float32 operations read it, as its accumulator); jit drops it.
+    Tracing keeps a result nobody reads (a cast made for a reader that was then
+    evaluated otherwise); jit drops it.
     """
     used = {v for v in jaxpr.outvars if not isinstance(v, _compat.Literal)}
     live = []

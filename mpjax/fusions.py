@@ -251,8 +251,7 @@ def joins_product(ctx, eqn, vals, weak) -> bool:
 def bias_add(ctx, eqn, vals):
     """A product plus its bias (`joins_product`): the bias added to the
     product's float32 accumulator and the sum rounded once (kept float32 where
-    `find` hands it on so; the sum is what float32 readers of the rounding
-    read), where the product kept one. None where it did not:
+    `find` hands it on so), where the product kept one. None where it did not:
     the caller then runs the add in the product's dtype."""
     product = _product_operand(eqn, vals)
     accumulator = ctx.scope.accumulator(product)
@@ -264,10 +263,7 @@ def bias_add(ctx, eqn, vals):
     outs = _compat.bind(eqn, *args)
     if id(eqn) in ctx.float32_sums:
         return outs
-    rounded = [convert(o, ctx.region.dtype, False) for o in outs]
-    for r, o in zip(rounded, outs):
-        ctx.scope.keep_accumulator(r, o)
-    return rounded
+    return [convert(o, ctx.region.dtype, False) for o in outs]
 
 
 def _product_operand(eqn, vals):

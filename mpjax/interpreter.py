@@ -29,7 +29,7 @@ import numpy as np
 from mpjax import _compat
 from mpjax import first_order
 from mpjax import fusions
-from mpjax._casting import F32, convert, dtype_of
+from mpjax._casting import convert, dtype_of
 
 _MARKER = "mpjax_autocast_"
 _MARKER_RE = re.compile(_MARKER + r"(off|float16|bfloat16)(_lean)?(_reduce_low)?")
@@ -83,9 +83,11 @@ class Scope:
         self._remakes[id(x)] = (x, make)
 
     def keep_accumulator(self, rounded, accumulator) -> None:
-        """Records the float32 value a 16-bit product (or product plus bias) was
-        rounded from: a bias add reads it, and so does a cast of `rounded` to
-        float32, so float32 readers see the product unrounded (docs/policy.md)."""
+        """Records the float32 accumulator a 16-bit product was rounded from: a
+        bias added next is added to it, as a cuBLAS epilogue adds one. Any other
+        float32 reader reads the 16-bit rounding widened, as torch's do: on a GPU
+        the product writes its result to memory, and a float32 one is twice the
+        bytes (docs/policy.md)."""
         self._accumulators[id(rounded)] = (rounded, accumulator)
 
     def accumulator(self, rounded):
@@ -113,13 +115,8 @@ class Scope:
         made = self._recorded("_casts", key)
         if made is not None:
             return made
-        # The rounding's float32 readers read what it was rounded from: more
-        # accurate, and no 16-bit copy is made where only they read it.
-        accumulator = self.accumulator(x) if dtype == F32 else None
         make = self._recorded("_remakes", key[0])
-        if accumulator is not None:
-            y = accumulator
-        elif make is not None:
+        if make is not None:
             y = make(dtype)
         else:
             if key[0] in self._invariant:

@@ -198,12 +198,11 @@ def test_a_scan_is_searched_step_by_step():
         c, _ = lax.scan(lambda c, _: (c @ w, None), c0, None, length=6)  # SCAN
         return jnp.sum(c) * 1e-6
 
-    # 10**(step + 1): step 4's product makes 100000, carried on as its float32
-    # accumulator (the carry is float32); step 5 casts it to float16 for its
-    # product, the first value beyond float16. In float32 all is finite.
+    # 10**(step + 1): step 4's product makes 100000, beyond float16, rounded to
+    # inf before the float32 carry widens it. In float32 all is finite.
     report = mpjax.diagnose(loss_fn, 10 * jnp.eye(4), jnp.ones((2, 4)))
     origin = report.runs[0].forward
-    assert (origin.primitive, origin.inside) == ("convert_element_type", "scan step 5")
+    assert (origin.primitive, origin.inside) == ("convert_element_type", "scan step 4")
     assert (origin.file, origin.line) == (__file__, _line("SCAN"))
     assert origin.in_max_abs == 1e5 and report.reference_forward is None
 
