@@ -182,8 +182,7 @@ def _walk(jaxpr, path: str = "", repeat: int = 1):
 def _live(jaxpr) -> list:
     """The equations of `jaxpr` whose results are used: what runs once compiled.
 
-    Tracing keeps a result nobody reads (a cast made for a reader that was then
-    evaluated otherwise); jit drops it.
+    Tracing can keep a result nobody reads; jit drops it.
     """
     used = {v for v in jaxpr.outvars if not isinstance(v, _compat.Literal)}
     live = []
