@@ -82,6 +82,7 @@ def policy_rule(ctx, eqn, vals, weak):
     rule = Rule.ORIGINAL if low is None else policy.rule_for(eqn.primitive.name, lean=lean)
     if lean and rule is Rule.FLOAT32 and any(dtype_of(x) in policy.LOW_DTYPES for x in vals):
         return _float32_inside(ctx, eqn, vals, low)
+    vals = fusions.residual_operands(ctx, eqn, vals)
     targets = _targets(rule, eqn, vals, weak, low, lean)
     if fusions.joins_product(ctx, eqn, vals, weak):
         outs = fusions.bias_add(ctx, eqn, vals)

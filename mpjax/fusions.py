@@ -20,6 +20,14 @@ groups in a jaxpr, before it is evaluated:
   layer, which torch's fused LSTM and GRU cells add and squash in float32.
   Rounding it would not shrink what the backward pass keeps: neither the sums
   nor the squashing functions keep their operand.
+* a *residual sum*: ``add`` of a float32 value and a product (or product plus
+  bias) that nothing else reads, as a residual connection adds a layer's output
+  to its float32 stream. `residual_operands` hands the sum the product's float32
+  accumulator instead of its rounding: the sum is float32 either way and keeps
+  nothing for the backward pass, so no 16-bit copy is made and the layer's
+  output is not rounded twice. Any other float32 reader (a loss's log-softmax
+  of the logits) reads the 16-bit rounding widened, as torch's do: on a GPU the
+  product writes its result to memory, where a float32 one is twice the bytes.
 * a *select*: ``select_n`` keeps its predicate for the backward pass, and its
   JVP makes zeros for a constant case (``jnp.where(mask, x, 0)``, dropout, a
   causal mask's fill); linearization keeps both, full size. `select` evaluates
@@ -70,6 +78,9 @@ class Fusions(NamedTuple):
     """ids of the ``add`` equations of a product and its bias."""
     float32_sums: frozenset = frozenset()
     """ids of the bias adds whose sum is handed on in float32 (read by `SQUASHING`)."""
+    residual_sums: frozenset = frozenset()
+    """ids of the ``add`` equations that read a product's (or bias add's)
+    float32 accumulator: its only readers, each adding another value to it."""
     chains: dict = {}
     """Chain by the index of its last equation."""
     deferred: frozenset = frozenset()
@@ -120,7 +131,39 @@ def find(jaxpr) -> Fusions:
         for i, e in enumerate(eqns)
         if e.primitive.name == "select_n" and _has_derivative(e.outvars[0])
     }
-    return Fusions(bias_adds, float32_sums, chains, frozenset(deferred), _arguments(jaxpr), selects)
+    residual_sums = _residual_sums(eqns, producer, readers, bias_adds)
+    return Fusions(
+        bias_adds,
+        float32_sums,
+        residual_sums,
+        chains,
+        frozenset(deferred),
+        _arguments(jaxpr),
+        selects,
+    )
+
+
+def _residual_sums(eqns, producer, readers, bias_adds) -> frozenset:
+    """The adds (not bias adds) of a same-size value to a product or bias add
+    whose every reader is such an add."""
+
+    def is_sum(i, v):
+        e = eqns[i] if i != _OUTPUT else None
+        return (
+            e is not None
+            and e.primitive.name == "add"
+            and id(e) not in bias_adds
+            and all(_is_var(u) and _size(u) == _size(v) for u in e.invars)
+        )
+
+    found = set()
+    for v, i in producer.items():
+        e = eqns[i]
+        if not (e.primitive.name in _PRODUCTS or id(e) in bias_adds) or not readers[v]:
+            continue
+        if all(is_sum(r, v) for r in readers[v]):
+            found.update(id(eqns[r]) for r in readers[v])
+    return frozenset(found)
 
 
 def _has_derivative(v) -> bool:
@@ -263,7 +306,22 @@ def bias_add(ctx, eqn, vals):
     outs = _compat.bind(eqn, *args)
     if id(eqn) in ctx.float32_sums:
         return outs
-    return [convert(o, ctx.region.dtype, False) for o in outs]
+    rounded = [convert(o, ctx.region.dtype, False) for o in outs]
+    for r, o in zip(rounded, outs):
+        ctx.scope.keep_accumulator(r, o)  # for a residual sum (`residual_operands`)
+    return rounded
+
+
+def residual_operands(ctx, eqn, vals) -> list:
+    """`vals`, with a product's rounding replaced by its float32 accumulator where
+    `eqn` is a residual sum (`find`) whose result is float32 anyway: another of
+    its operands is a float32 value."""
+    if ctx.region.dtype is None or ctx.region.lean or id(eqn) not in ctx.residual_sums:
+        return vals
+    accumulators = [ctx.scope.accumulator(x) for x in vals]
+    if not any(a is None and dtype_of(x) == F32 for x, a in zip(vals, accumulators)):
+        return vals
+    return [x if a is None else a for x, a in zip(vals, accumulators)]
 
 
 def _product_operand(eqn, vals):

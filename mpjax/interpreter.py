@@ -83,11 +83,12 @@ class Scope:
         self._remakes[id(x)] = (x, make)
 
     def keep_accumulator(self, rounded, accumulator) -> None:
-        """Records the float32 accumulator a 16-bit product was rounded from: a
-        bias added next is added to it, as a cuBLAS epilogue adds one. Any other
-        float32 reader reads the 16-bit rounding widened, as torch's do: on a GPU
-        the product writes its result to memory, and a float32 one is twice the
-        bytes (docs/policy.md)."""
+        """Records the float32 accumulator a 16-bit product (or product plus
+        bias) was rounded from: a bias added next is added to it, as a cuBLAS
+        epilogue adds one, and a residual sum reads it (`mpjax.fusions`). Any
+        other float32 reader reads the 16-bit rounding widened, as torch's do: on
+        a GPU the product writes its result to memory, and a float32 one is twice
+        the bytes (docs/policy.md)."""
         self._accumulators[id(rounded)] = (rounded, accumulator)
 
     def accumulator(self, rounded):
@@ -137,6 +138,8 @@ class Context(NamedTuple):
     """ids of the equations adding a bias to a product (`mpjax.fusions`)."""
     float32_sums: frozenset = frozenset()
     """ids of those whose sum stays float32 (read by `mpjax.fusions.SQUASHING`)."""
+    residual_sums: frozenset = frozenset()
+    """ids of the adds that read a product's float32 accumulator (`mpjax.fusions`)."""
     arguments: frozenset = frozenset()
     """The variables holding the jaxpr's arguments (parameters), `mpjax.fusions`."""
     memo: dict | None = None
@@ -206,7 +209,10 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
         ctx = ctx._replace(float32_only=first_order.float32_only_consumers(jaxpr))
     fused = fusions.find(jaxpr) if jaxpr.eqns else fusions.NONE
     ctx = ctx._replace(
-        bias_adds=fused.bias_adds, float32_sums=fused.float32_sums, arguments=fused.arguments
+        bias_adds=fused.bias_adds,
+        float32_sums=fused.float32_sums,
+        residual_sums=fused.residual_sums,
+        arguments=fused.arguments,
     )
     for i, eqn in enumerate(jaxpr.eqns):
         if i in fused.deferred:

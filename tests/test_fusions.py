@@ -59,6 +59,55 @@ def test_a_float32_reader_reads_the_16_bit_rounding_as_torchs_do(dtype):
     chex.assert_trees_all_close(g, expected, atol=4 * jnp.finfo(dtype).eps * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_a_residual_sum_reads_the_float32_accumulator(dtype, bias):
+    x, w, b, y = _w(4, 16, seed=4), _w(16, 8), _w(8, seed=1), _w(4, 8, seed=5)
+
+    def block(x, w, b, y):  # a residual connection: the stream plus a layer's output
+        return y + (x @ w + b if bias else x @ w)
+
+    f = mpjax.autocast(block, dtype=dtype)
+    accumulator = jnp.dot(x.astype(dtype), w.astype(dtype), preferred_element_type=F32)
+    if bias:
+        accumulator = accumulator + b
+    out = f(x, w, b, y)
+    chex.assert_trees_all_close(out, y + accumulator, rtol=1e-6, atol=1e-7)
+    rounded = y + accumulator.astype(dtype).astype(F32)
+    assert not np.allclose(out, rounded, rtol=1e-6, atol=0)  # one rounding fewer
+    # No 16-bit copy of the layer's output is made: on a GPU the sum reads the
+    # product's result as it is written, and keeps nothing for the backward pass.
+    low = "f16" if dtype == F16 else "bf16"
+    assert f"tensor<4x8x{low}>" not in jax.jit(f).lower(x, w, b, y).as_text()
+    grads = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2, 3))(x, w, b, y)
+    chex.assert_trees_all_equal_dtypes(grads, (x, w, b, y))
+    reference = jax.grad(lambda *a: jnp.sum(block(*a) ** 2), argnums=(0, 1, 2, 3))(x, w, b, y)
+    for g, r in zip(grads, reference):
+        chex.assert_trees_all_close(g, r, atol=8 * jnp.finfo(dtype).eps * np.abs(r).max())
+
+
+def test_a_product_read_by_more_than_a_residual_sum_hands_on_its_rounding():
+    x, w, y = _w(4, 16, seed=4), _w(16, 8), _w(4, 8, seed=5)
+
+    def f(x, w, y):
+        p = x @ w
+        return (y + p) * jnp.exp(p)  # exp: a float32 reader that is no sum
+
+    out = mpjax.autocast(f, dtype=BF16)(x, w, y)
+    p = jnp.dot(x.astype(BF16), w.astype(BF16), preferred_element_type=F32).astype(BF16)
+    chex.assert_trees_all_close(out, (y + p) * jnp.exp(p.astype(F32)), rtol=1e-6)
+
+
+def test_a_sum_of_two_products_stays_16_bit():
+    # Each is read only by the sum, but nothing float32 joins them: reading
+    # their accumulators would widen what torch's addition of two float16
+    # tensors keeps in 16 bits.
+    x, w, v = _w(4, 16, seed=4), _w(16, 8), _w(16, 8, seed=5)
+    f = mpjax.autocast(lambda x, w, v: x @ v + x @ w, dtype=BF16)
+    (add,) = [e for e in all_eqns(jax.make_jaxpr(f)(x, w, v)) if e.primitive.name == "add"]
+    assert add.outvars[0].aval.dtype == BF16
+
+
 def test_a_product_beyond_float16_is_inf_for_its_float32_readers_too():
     # 50 * 40 * 64 = 128000: beyond float16, exact in float32. torch's log widens
     # the float16 result of its matmul: inf, which its GradScaler then skips.
