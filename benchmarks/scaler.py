@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python -m benchmarks.scaler [--leaves 10 100 1000 10000] [--params 1e6 1e8]
         [--parts] [--models gpt resnet] [--check 1e4 1e5 1e6 1e7] [--repeats 15]
+        [--compile-repeats 3]
 
 Two ratios over bare `optax.adam(1e-3)`, each for `grad_scaler(optax.adam(1e-3))` with
 the default check (the gradients, as torch), with ``check_updates=True`` (the updates
@@ -15,11 +16,14 @@ too), and for optax's own skip-on-non-finite wrapper, `optax.apply_if_finite`:
 With ``--parts``, the compile time of the default scaler's two halves on the same
 leaves, each over bare adam: adam with the finite check alone (the scaler's own
 per-leaf flags and their combination, no selection), and adam with the selection
-alone (the gradients, updates and state selected on a flag that is a jit argument).
+alone (the state selected where adam computes it, and the updates, on a flag that
+is a jit argument).
 
 With ``--check``, the finite check of one float32 leaf of each size alone, by
-both reductions `mpjax._scaler_update._nonfinite` chooses between, against an
-elementwise pass over the same leaf (``x + 1``).
+a reduction over booleans and by `mpjax._finite.nonfinite`'s max over bytes (the
+check of a leaf of `mpjax._finite.LARGE` elements or more; smaller leaves are
+stacked by size and checked together), against an elementwise pass over the same
+leaf (``x + 1``).
 
 With ``--models``, also the whole jitted training step of each benchmark model
 (autocast float16 loss, `grad_scaler(adamw)` against plain adamw) at the size the
@@ -38,7 +42,7 @@ import optax
 import mpjax
 from benchmarks import timing
 from benchmarks.models import SIZES
-from mpjax import _scaler_update
+from mpjax import _finite, _scaler_update, _skip
 
 
 def _leaves(n: int, size: int) -> dict:
@@ -87,21 +91,19 @@ def _check_only(adam):
     """adam's update and the scaler's finite check of the gradients, nothing selected."""
 
     def update(grads, state, params):
-        flags = [_scaler_update._nonfinite(g) for g in jax.tree.leaves(grads)]
-        # The per-leaf flags are outputs, as the scaler's `nonfinite_subtrees` of a flat dict.
-        return adam.update(grads, state, params), flags, _scaler_update._any(flags)
+        flags, _, nonfinite = _finite.leaf_flags(jax.tree.leaves(grads))
+        # The flags are an output, as the scaler's `nonfinite_subtrees` of a flat dict.
+        return adam.update(grads, state, params), flags, nonfinite
 
     return update
 
 
 def _selection_only(adam):
-    """adam's update with the scaler's selection on `applied`, a flag XLA cannot fold."""
+    """adam's update with the scaler's selection on `drop`, a flag XLA cannot fold."""
 
-    def update(grads, state, params, applied):
-        grads = _scaler_update._zeros_unless(applied, grads)
-        updates, new_state = adam.update(grads, state, params)
-        updates = _scaler_update._zeros_unless(applied, updates)
-        return updates, _scaler_update._select(applied, new_state, state)
+    def update(grads, state, params, drop):
+        updates, new_state = _skip.update_selected(adam, drop, grads, state, params, {})
+        return _scaler_update._zeros_where(drop, updates), new_state
 
     return update
 
@@ -118,7 +120,7 @@ def parts_ratio(n: int, repeats: int = 3) -> dict:
     contenders = {
         "adam": lambda: _compile_seconds(adam.update, *args),
         "check only": lambda: _compile_seconds(_check_only(adam), *args),
-        "selection only": lambda: _compile_seconds(_selection_only(adam), *args, jnp.array(True)),
+        "selection only": lambda: _compile_seconds(_selection_only(adam), *args, jnp.array(False)),
     }
     med = timing.interleaved(contenders, repeats=repeats, warmup=False)
     return {"leaves": n, **_ratios(med, "total", _PARTS)}
@@ -148,8 +150,8 @@ def step_ratio(total_params: int, leaves: int = 10, repeats: int = 15) -> dict:
 
 _CHECKS = {
     "elementwise pass": lambda x: x + 1,
-    "any over booleans": _scaler_update._nonfinite_bools,
-    "max over bytes": _scaler_update._nonfinite_bytes,
+    "any over booleans": lambda x: jnp.any(~jnp.isfinite(x)),
+    "max over bytes": _finite.nonfinite,
 }
 
 
@@ -163,12 +165,11 @@ def check_ratios(size: int, repeats: int = 15) -> dict:
         contenders[name] = lambda c=compiled: _step_seconds(c, x, calls=calls)
     med = timing.interleaved(contenders, repeats=repeats)
     base = med["elementwise pass"]["step"]
-    bytes_used = jax.eval_shape(_scaler_update._nonfinite, x).dtype == jnp.uint8
     return {
         "size": size,
         "pass_s": base,
         **{name: med[name]["step"] / base for name in list(_CHECKS)[1:]},
-        "used": "max over bytes" if bytes_used else "any over booleans",
+        "used": "max over bytes" if size >= _finite.LARGE else "stacked, any over booleans",
     }
 
 
@@ -180,18 +181,21 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="*", default=[], choices=sorted(SIZES["runtime"]))
     parser.add_argument("--check", type=float, nargs="*", default=[])
     parser.add_argument("--repeats", type=int, default=15, help="of each run-time measurement")
+    parser.add_argument(
+        "--compile-repeats", type=int, default=None, help="of each compile (3; 1 from 1000 leaves)"
+    )
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
     if args.leaves:
         print(_header("leaves", "adam compile (s)", _SCALERS, "s"))
     for n in args.leaves:
-        r = compile_ratio(n, repeats=3 if n < 1000 else 1)
+        r = compile_ratio(n, repeats=_compile_repeats(args, n))
         print(f"| {n} | {_row(r, _SCALERS, '.2f', 1)}", flush=True)
     if args.leaves and args.parts:
         print()
         print(_header("leaves", "adam compile (s)", _PARTS, "s"))
     for n in args.leaves if args.parts else ():
-        r = parts_ratio(n, repeats=3 if n < 1000 else 1)
+        r = parts_ratio(n, repeats=_compile_repeats(args, n))
         print(f"| {n} | {_row(r, _PARTS, '.2f', 1)}", flush=True)
     if args.params:
         print()
@@ -222,6 +226,12 @@ def main(argv=None) -> None:
             f"| {1e3 * r['scaler_s']:.2f} | {r['ratio']:.3f} |",
             flush=True,
         )
+
+
+def _compile_repeats(args, n: int) -> int:
+    if args.compile_repeats is not None:
+        return args.compile_repeats
+    return 3 if n < 1000 else 1
 
 
 def _header(first: str, base: str, names, unit: str) -> str:

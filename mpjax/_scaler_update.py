@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from mpjax import _finite, _skip
 from mpjax._float32 import _mul_f32_by_f64
+from mpjax.scaler_state import SubtreeFlags, register_serialization
 
 
 class ScalerConfig(NamedTuple):
@@ -64,60 +66,87 @@ def _accumulate(inner, config: ScalerConfig, grads, state, params, extra):
     )
     micro_step = state.micro_step + 1
     last_micro_step = micro_step == k
-    step_updates, step_state = _step(inner, config, _like(total, grads), state, params, extra)
     # Selection, as in optax.MultiSteps: inner's update is computed on every
     # micro-batch and kept on the last. (lax.cond would skip that work, but
     # inside shard_map its branches must agree on device variance, which the
-    # zeros of the other branch cannot know.)
-    new_updates = _zeros_unless(last_micro_step, step_updates)
-    new_state = _select(last_micro_step, step_state, state)
+    # zeros of the other branch cannot know.) inner's state is selected inside
+    # `_step`, where inner computes it; the scaler's own fields here.
+    new_updates, step_state = _step(
+        inner, config, _like(total, grads), state, params, extra, take=last_micro_step
+    )
+    own = _select(
+        last_micro_step, step_state._replace(inner_state=None), state._replace(inner_state=None)
+    )
+    new_state = own._replace(inner_state=step_state.inner_state)
     # Reset by selection: a multiplication (optax.MultiSteps) would turn an inf
     # into a NaN that poisons every later effective batch.
-    accumulator = _select(last_micro_step, jax.tree.map(jnp.zeros_like, total), total)
+    accumulator = _zeros_where(last_micro_step, total)
     return new_updates, new_state._replace(
         micro_step=jnp.where(last_micro_step, 0, micro_step).astype(jnp.int32),
         grad_accumulator=accumulator,
     )
 
 
-def _step(inner, config: ScalerConfig, grads, state, params, extra):
-    """One effective step on the gradients of the loss: check, skip or apply, rescale."""
+def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
+    """One effective step on the gradients of the loss: check, skip or apply, rescale.
+
+    Where `take` is False, inner's state is kept and its updates are zeros even if
+    the step is applied (a micro-batch that is not an effective batch's last).
+    Flags say what is wrong (`nonfinite`, `skipped`), so that the one XLA
+    outputs is the one every select reads, with no negation between them.
+    """
     if not config.enabled:
+        if take is True:
+            updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
+            return updates, state._replace(inner_state=inner_state)
+        drop = jnp.logical_not(take)
+        updates, inner_state = _skip.update_selected(
+            inner, drop, grads, state.inner_state, params, extra
+        )
+        return _zeros_where(drop, updates), state._replace(inner_state=inner_state)
+    nonfinite, nonfinite_subtrees = _nonfinite_flags(config, grads, state.nonfinite_subtrees)
+    if jax.config.jax_debug_nans or jax.config.jax_debug_infs:
+        # inner's result is discarded when skipping; on zeros it computes no inf
+        # or NaN for the debug flags to stop at. Only then: the selects cost
+        # XLA compile time on every leaf (every pass of inner reads them).
+        grads = _zeros_where(nonfinite, grads)
+    if config.check_updates:
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
-        return updates, state._replace(inner_state=inner_state)
-    finite, nonfinite_subtrees = _finite_flags(config, grads, state.nonfinite_subtrees)
-    # inner runs on zeros when skipping: its result is discarded anyway, and
-    # this way no inf or NaN is computed inside it (jax_debug_nans stays quiet).
-    grads = _zeros_unless(finite, grads)
-    updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
-    # inner may itself produce a non-finite update from finite gradients (adam
-    # with eps=0 on zero gradients): that step is skipped too, so parameters
-    # never become non-finite. The scale is not at fault and is not backed off.
-    # Without the check, `applied` is known before inner runs, and XLA folds the
-    # selects below into inner's own elementwise passes.
-    applied = finite & _all_finite_everywhere(config, updates) if config.check_updates else finite
-    # Selection is exact, so a skipped step leaves inner's state bit for bit.
-    updates = _zeros_unless(applied, updates)
-    inner_state = _select(applied, inner_state, state.inner_state)
+        # inner may itself produce a non-finite update from finite gradients
+        # (adam with eps=0 on zero gradients): that step is skipped too, so
+        # parameters never become non-finite. The scale is not at fault and is
+        # not backed off.
+        bad_updates = _nonfinite_flags(config, updates, {})[0]
+        skipped = nonfinite | bad_updates
+        # Selection is exact, so a skipped step leaves inner's state bit for bit.
+        inner_state = _select(_either(skipped, take), state.inner_state, inner_state)
+    else:
+        # The skip is known before inner runs: its state is selected where inner
+        # computes it, and XLA folds the selects into inner's own passes.
+        skipped = nonfinite
+        updates, inner_state = _skip.update_selected(
+            inner, _either(skipped, take), grads, state.inner_state, params, extra
+        )
+    updates = _zeros_where(_either(skipped, take), updates)
     if config.dynamic:
         scale, tracker = _next_scale(
             state.scale,
             state.growth_tracker,
-            finite,
+            nonfinite,
             growth_factor=config.growth_factor,
             backoff_factor=config.backoff_factor,
             growth_interval=config.growth_interval,
             min_scale=config.min_scale,
         )
-        # A step skipped for inner's non-finite updates is no success to grow on
-        # (adam's eps underflowing in float16 parameters would skip every step
-        # while the scale kept growing): scale and tracker hold.
-        held = finite & ~applied
-        scale = jnp.where(held, state.scale, scale)
-        tracker = jnp.where(held, state.growth_tracker, tracker)
+        if config.check_updates:
+            # A step skipped for inner's non-finite updates is no success to grow
+            # on (adam's eps underflowing in float16 parameters would skip every
+            # step while the scale kept growing): scale and tracker hold.
+            held = bad_updates & ~nonfinite
+            scale = jnp.where(held, state.scale, scale)
+            tracker = jnp.where(held, state.growth_tracker, tracker)
     else:
         scale, tracker = state.scale, state.growth_tracker
-    skipped = jnp.logical_not(applied)
     return updates, state._replace(
         scale=scale,
         growth_tracker=tracker,
@@ -128,64 +157,49 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra):
     )
 
 
+def _either(skip, take):
+    """Whether inner's step is dropped: skipped, or not one to take."""
+    return skip if take is True else skip | jnp.logical_not(take)
+
+
 def _like(total, grads):
     """The accumulated gradients in the dtypes of the micro-batch gradients."""
     return jax.tree.map(lambda t, g: t.astype(g.dtype) if _is_inexact(g) else g, total, grads)
 
 
-def _all_finite_everywhere(config: ScalerConfig, tree):
-    return _finite_flags(config, tree, {})[0]
+def _nonfinite_flags(config: ScalerConfig, tree, subtrees):
+    """Whether any of `tree` is not finite, and for each of `subtrees` whether it is.
 
-
-def _finite_flags(config: ScalerConfig, tree, subtrees: dict):
-    """Whether all of `tree` is finite, and for each of `subtrees` whether it is not.
-
-    One reduction per leaf (`_nonfinite`); the leaves' flags are combined by one
-    more. A subtree of a single small leaf (a flat dict of parameters) reports
-    that leaf's flag itself, with no op of its own.
+    `subtrees` is the state's `SubtreeFlags` (its names are the subtrees), or an
+    empty dict for none. The leaves are checked by a few reductions
+    (`_finite.leaf_flags`), their flags combined by one more.
     """
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    flags = [(path, _nonfinite(x)) for path, x in flat if _is_inexact(x)]
-    finite = jnp.logical_not(_any([f for _, f in flags]))
-    by_name: dict = {}
+    flat = [(path, x) for path, x in flat if _is_inexact(x)]
+    flags, order, nonfinite = _finite.leaf_flags([x for _, x in flat])
     if subtrees:
+        names = tuple(subtrees)
         depth = _depth(tree)
-        for path, f in flags:
-            by_name.setdefault(_subtree_name(path, depth), []).append(f)
-    nonfinite = {name: _any(by_name.get(name, [])) for name in dict(subtrees)}
+        index = {name: i for i, name in enumerate(names)}
+        # A leaf outside every named subtree (a tree unlike the parameters) goes to
+        # a segment of its own past the end, which segment_any drops.
+        segments = [index.get(_subtree_name(flat[j][0], depth), len(names)) for j in order]
+        by_subtree = _finite.segment_any(flags, segments, len(names))
     if config.axis_name is not None:
         # Every device must take the same branch, or replicas drift apart.
-        total = lax.psum(
-            [jnp.logical_not(finite).astype(jnp.int32)]
-            + [v.astype(jnp.int32) for v in nonfinite.values()],
-            config.axis_name,
-        )
-        finite = total[0] == 0
-        nonfinite = {name: t > 0 for name, t in zip(nonfinite, total[1:])}
-    return finite, nonfinite
+        local = [nonfinite[None]] + ([by_subtree] if subtrees else [])
+        total = lax.psum(jnp.concatenate(local).astype(jnp.int32), config.axis_name)
+        nonfinite = total[0] > 0
+        if subtrees:
+            by_subtree = total[1:] > 0
+    return nonfinite, SubtreeFlags(names, by_subtree) if subtrees else subtrees
 
 
-_BYTE_CHECK_FROM = 2**14
-"""Leaves of this many elements or more are checked by a max over bytes."""
-
-
-def _nonfinite(x) -> jax.Array:
-    """Whether `x` holds an inf or a NaN: a bool, or a uint8 0/1 for a large `x`.
-
-    XLA:CPU runs a max over bytes in 0.4x to 0.8x the time of ``any`` over
-    booleans (``python -m benchmarks.scaler --check``), but its result needs one
-    more scalar kernel to become the bool a subtree's flag is: worth it only
-    where the leaf's bytes, not the kernels, cost the time.
-    """
-    return _nonfinite_bools(x) if jnp.size(x) < _BYTE_CHECK_FROM else _nonfinite_bytes(x)
-
-
-def _nonfinite_bools(x) -> jax.Array:
-    return jnp.any(~jnp.isfinite(x))
-
-
-def _nonfinite_bytes(x) -> jax.Array:
-    return jnp.max((~jnp.isfinite(x)).astype(jnp.uint8))
+def no_subtree_flags(params) -> SubtreeFlags:
+    """The `SubtreeFlags` of `params` with every flag clear, as `init` keeps them."""
+    names = tuple(subtree_names(params))
+    register_serialization()
+    return SubtreeFlags(names, jnp.zeros([len(names)], jnp.bool_))
 
 
 def subtree_names(params) -> list[str]:
@@ -213,7 +227,7 @@ def _subtree_name(path, depth: int) -> str:
 
 
 def _next_scale(
-    scale, tracker, finite, *, growth_factor, backoff_factor, growth_interval, min_scale
+    scale, tracker, nonfinite, *, growth_factor, backoff_factor, growth_interval, min_scale
 ):
     """torch's ``_amp_update_scale_``, with the scale floored at `min_scale`.
 
@@ -232,9 +246,9 @@ def _next_scale(
     grown = _mul_f32_by_f64(scale, growth_factor)
     grown = jnp.where(jnp.isfinite(grown), grown, scale)  # growth refused at the top
     backed_off = jnp.maximum(_mul_f32_by_f64(scale, backoff_factor), jnp.float32(min_scale))
-    new_scale = jnp.where(finite, jnp.where(grow, grown, scale), backed_off)
+    new_scale = jnp.where(nonfinite, backed_off, jnp.where(grow, grown, scale))
     # The tracker resets on growth even when growth was refused, as torch's does.
-    new_tracker = jnp.where(finite & ~grow, successful, 0).astype(jnp.int32)
+    new_tracker = jnp.where(nonfinite | grow, 0, successful).astype(jnp.int32)
     return new_scale.astype(jnp.float32), new_tracker
 
 
@@ -248,20 +262,6 @@ def _is_inexact(x) -> bool:
 
 def accumulator_dtype(p):
     return jnp.promote_types(jnp.result_type(p), jnp.float32)
-
-
-def _any(flags) -> jax.Array:
-    """Whether any of `flags` (scalars from `_nonfinite`) is set, as a bool.
-
-    Combined by one reduction, a float32 max of their stack. Combined with
-    ``|`` instead, the flag is a chain of cheap scalar ops that XLA copies into
-    every fusion reading it (every select of the step), so compile time grew with
-    the square of the number of leaves; a reduction is never copied. (XLA turns
-    a max over a stack of integers into such a chain too: hence float32.)
-    """
-    if len(flags) <= 1:
-        return flags[0].astype(bool) if flags else jnp.array(False)
-    return jnp.max(jnp.stack(flags).astype(jnp.float32)) > 0
 
 
 def _select(pred: jax.Array, on_true, on_false):
@@ -279,6 +279,6 @@ def _select(pred: jax.Array, on_true, on_false):
     return jax.tree.map(one, on_true, on_false)
 
 
-def _zeros_unless(pred: jax.Array, tree):
-    """`tree` where `pred`, zeros of the same shapes and dtypes elsewhere."""
-    return _select(pred, tree, jax.tree.map(lambda t: lax.full_like(t, 0), tree))
+def _zeros_where(pred, tree):
+    """Zeros of `tree`'s shapes and dtypes where `pred`, `tree` elsewhere."""
+    return _select(pred, jax.tree.map(lambda t: lax.full_like(t, 0), tree), tree)

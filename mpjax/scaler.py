@@ -67,10 +67,17 @@ from mpjax._scaler_checks import (
 )
 from mpjax._scaler_update import ScalerConfig
 from mpjax.gradients import scaled_value_and_grad
-from mpjax.scaler_state import GradScalerState, get_scale, scaler_stats, set_scale
+from mpjax.scaler_state import (
+    GradScalerState,
+    SubtreeFlags,
+    get_scale,
+    scaler_stats,
+    set_scale,
+)
 
 __all__ = [
     "GradScalerState",
+    "SubtreeFlags",
     "grad_scaler",
     "static_scaler",
     "noop_scaler",
@@ -280,9 +287,7 @@ def _loss_scaler(inner, config: ScalerConfig) -> optax.GradientTransformationExt
             micro_step=jnp.zeros([], jnp.int32),
             grad_accumulator=accumulator,
             inner_state=inner.init(params),
-            nonfinite_subtrees={
-                name: jnp.zeros([], jnp.bool_) for name in _scaler_update.subtree_names(params)
-            },
+            nonfinite_subtrees=_scaler_update.no_subtree_flags(params),
         )
 
     def update_fn(updates, state, params=None, **extra):

@@ -10,8 +10,9 @@ the optimizer state. The helpers find it wherever it sits (inside
 
 from __future__ import annotations
 
+import functools
 import numbers
-
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -23,6 +24,7 @@ from mpjax._float32 import MIN_NORMAL_F32
 
 __all__ = [
     "GradScalerState",
+    "SubtreeFlags",
     "get_scale",
     "set_scale",
     "scaler_stats",
@@ -47,11 +49,12 @@ class GradScalerState(NamedTuple):
         shaped like the parameters; ``optax.EmptyState()`` when
         ``accumulation_steps == 1``.
       inner_state: the state of the wrapped optimizer.
-      nonfinite_subtrees: for each top-level subtree of the parameters (by its
-        path, e.g. ``"['Dense_0']"``; one level further down when the top has a
-        single entry, as Linen's ``{"params": ...}``), a bool scalar: whether its
-        gradients in the latest effective step were not all finite. It says
-        where a skipped step's infs came from, at the cost of a few scalar ops.
+      nonfinite_subtrees: a `SubtreeFlags`, a mapping from each top-level
+        subtree of the parameters (by its path, e.g. ``"['Dense_0']"``; one
+        level further down when the top has a single entry, as Linen's
+        ``{"params": ...}``) to a bool scalar: whether its gradients in the
+        latest effective step were not all finite. It says where a skipped
+        step's infs came from.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -68,7 +71,68 @@ class GradScalerState(NamedTuple):
     micro_step: jax.Array
     grad_accumulator: Any
     inner_state: optax.OptState
-    nonfinite_subtrees: dict = {}
+    nonfinite_subtrees: SubtreeFlags | dict = {}
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class SubtreeFlags(Mapping):
+    """A read-only mapping from parameter subtree paths to bool scalars.
+
+    Held as one bool vector, `flags`, in the order of `names`: a pytree of one
+    leaf, so that the update that computes it has one output for it, not one per
+    subtree (each a kernel XLA compiles).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from mpjax.scaler import SubtreeFlags
+      >>> flags = SubtreeFlags(("['a']", "['b']"), jnp.array([False, True]))
+      >>> {name: bool(flag) for name, flag in flags.items()}
+      {"['a']": False, "['b']": True}
+    """
+
+    def __init__(self, names: tuple[str, ...], flags):
+        self.names = tuple(names)
+        self.flags = flags
+
+    def __getitem__(self, name: str) -> jax.Array:
+        try:
+            i = self.names.index(name)
+        except ValueError:
+            raise KeyError(name) from None
+        return self.flags[i]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __repr__(self) -> str:
+        return f"SubtreeFlags(names={self.names!r}, flags={self.flags!r})"
+
+    def tree_flatten_with_keys(self):
+        return ((jax.tree_util.GetAttrKey("flags"), self.flags),), self.names
+
+    @classmethod
+    def tree_unflatten(cls, names, children):
+        return cls(names, *children)
+
+
+@functools.cache
+def register_serialization() -> None:
+    """Lets `flax.serialization` save and restore a `SubtreeFlags`, by name."""
+    from flax import serialization
+
+    def to_state_dict(x: SubtreeFlags) -> dict:
+        return {name: x.flags[i] for i, name in enumerate(x.names)}
+
+    def from_state_dict(target: SubtreeFlags, state: dict) -> SubtreeFlags:
+        flags = [np.asarray(state[name], np.bool_) for name in target.names]
+        return SubtreeFlags(target.names, jnp.asarray(np.array(flags, np.bool_).reshape(-1)))
+
+    serialization.register_serialization_state(
+        SubtreeFlags, to_state_dict, from_state_dict, override=True
+    )
 
 
 # --------------------------------------------------------------------------
@@ -177,10 +241,15 @@ def scaler_stats(opt_state: Any) -> dict[str, jax.Array]:
         "growth_tracker": _value(state.growth_tracker),
         "skipped_steps": _value(state.skipped_steps),
         "last_step_skipped": _value(state.last_step_skipped),
-        "nonfinite_subtrees": {
-            name: _value(flag) for name, flag in dict(state.nonfinite_subtrees).items()
-        },
+        "nonfinite_subtrees": _subtree_values(state.nonfinite_subtrees),
     }
+
+
+def _subtree_values(subtrees) -> dict[str, jax.Array]:
+    if isinstance(subtrees, SubtreeFlags):
+        flags = _value(subtrees.flags)
+        return {name: flags[i] for i, name in enumerate(subtrees.names)}
+    return {name: _value(flag) for name, flag in dict(subtrees).items()}
 
 
 def _is_scaler_state(x) -> bool:

@@ -250,9 +250,9 @@ def test_scaler_benchmark_compiles_the_scalers_halves_apart(capsys):
 def test_the_scalers_halves_add_up_to_the_scalers_kernels_per_leaf():
     """What `--parts` times is the scaler's per-leaf program, split in two.
 
-    The check alone adds one kernel per leaf (its reduction); the selection alone
-    none (XLA folds the selects into adam's passes); the whole scaler adds per leaf
-    exactly what the two add.
+    Neither half adds a kernel per leaf: the check stacks the leaves of one size
+    into one reduction, and XLA folds the selects into adam's passes. The whole
+    scaler adds per leaf exactly what the two add.
     """
     import optax
 
@@ -268,27 +268,27 @@ def test_the_scalers_halves_add_up_to_the_scalers_kernels_per_leaf():
         programs = {
             "adam": (adam.update, params, state, params),
             "check": (scaler._check_only(adam), params, state, params),
-            "selection": (scaler._selection_only(adam), params, state, params, jnp.array(True)),
+            "selection": (scaler._selection_only(adam), params, state, params, jnp.array(False)),
             "scaler": (tx.update, params, tx.init(params), params),
         }
         return {name: compiled_kernels(*program) for name, program in programs.items()}
 
     small, large = kernels(4), kernels(8)
     per_leaf = {k: (large[k] - small[k] - (large["adam"] - small["adam"])) / 4 for k in small}
-    assert per_leaf["check"] == 1 and per_leaf["selection"] == 0
+    assert per_leaf["check"] == 0 and per_leaf["selection"] == 0
     assert per_leaf["scaler"] == per_leaf["check"] + per_leaf["selection"]
 
 
 def test_scaler_benchmark_times_the_finite_check_by_leaf_size(capsys):
     from benchmarks import scaler
-    from mpjax import _scaler_update
+    from mpjax import _finite
 
-    large = _scaler_update._BYTE_CHECK_FROM
+    large = _finite.LARGE
     scaler.main(["--leaves", "--params", "--check", str(large - 1), str(large)])
     out = capsys.readouterr().out
     assert "adam" not in out  # no compile or update rows were asked for
     rows = [line.split("|") for line in out.splitlines() if line.startswith("| 1638")]
-    assert [row[5].strip() for row in rows] == ["any over booleans", "max over bytes"]
+    assert [row[5].strip() for row in rows] == ["stacked, any over booleans", "max over bytes"]
     assert all(float(row[i]) > 0 for row in rows for i in (2, 3, 4))
 
 

@@ -338,7 +338,9 @@ def test_accumulation_with_enabled_false_still_averages():
 
 
 def _state_specs(state):
-    return jax.tree.map(lambda x: P("d") if jnp.ndim(x) else P(), state)
+    """Parameter-shaped state sharded, the rest (scalars, the subtree flags) replicated."""
+    specs = jax.tree.map(lambda x: P("d") if jnp.ndim(x) else P(), state)
+    return specs._replace(nonfinite_subtrees=jax.tree.map(lambda _: P(), state.nonfinite_subtrees))
 
 
 @pytest.mark.parametrize("accumulation_steps", [1, 2])
@@ -385,6 +387,9 @@ def test_axis_name_gives_one_decision_on_four_devices(tmp_path):
       params = jnp.arange(8.0)
       state = tx.init(params)
       specs = jax.tree.map(lambda x: P("d") if jnp.ndim(x) else P(), state)
+      # one flag per parameter subtree, the same on every device: replicated
+      flags = jax.tree.map(lambda _: P(), state.nonfinite_subtrees)
+      specs = specs._replace(nonfinite_subtrees=flags)
       step = jax.jit(jax.shard_map(lambda g, s, p: tx.update(g, s, p), mesh=mesh,
           in_specs=(P("d"), specs, P("d")), out_specs=(P("d"), specs)))
       updates, state = step(jnp.full(8, 4.0), state, params)

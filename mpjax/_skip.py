@@ -1,0 +1,85 @@
+"""Run an optimizer's update so that a dropped step leaves its state as it was.
+
+The obvious way, ``jnp.where(drop, old, new)`` on each leaf of the new state,
+makes XLA compute each new moment twice: the select is fused into the moment's
+pass, so the moment itself is never stored, and the pass that computes the update
+from it computes it again (a larger program for XLA to compile, and more work per
+step). Here the optimizer's update is traced to a jaxpr and evaluated with each
+new state leaf selected against the old one *where it is computed*: everything
+after reads the selected value, as the state output does, so XLA stores it once
+and reads it back, as it does for the bare optimizer.
+
+What the caller sees is unchanged. When the step is kept, every selected value is
+the new one and every result is the optimizer's own. When it is dropped, the state
+is the old state, and the updates, computed from a mix of old and new values, are
+for the caller to replace by zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mpjax import _compat
+
+
+def update_selected(inner, drop, grads, state, params, extra):
+    """``inner.update(grads, state, params, **extra)``, with the new state already
+    ``where(drop, old, new)``. The updates are inner's: zero them where `drop`."""
+
+    def run(g, s, p):
+        return inner.update(g, s, p, **extra)
+
+    if not any(_compat.is_tracer(x) for x in jax.tree.leaves((grads, state, params, extra))):
+        # Called eagerly: nothing is compiled as a whole, so the plain selects
+        # cost nothing more, and each operation runs as inner's own does.
+        updates, new = run(grads, state, params)
+        return updates, jax.tree.map(lambda n, o: jnp.where(drop, o, n), new, state)
+    closed, out_shape = jax.make_jaxpr(run, return_shape=True)(grads, state, params)
+    jaxpr, consts = _compat.jaxpr_and_consts(closed)
+    old = jax.tree.leaves(state)
+    n_updates = len(jax.tree.leaves(out_shape[0]))
+    if jax.tree.structure(out_shape[1]) != jax.tree.structure(state):
+        raise ValueError(
+            "grad_scaler: the wrapped optimizer's update returned a state of another "
+            f"structure than its init made ({jax.tree.structure(out_shape[1])} against "
+            f"{jax.tree.structure(state)}); a skipped step must return the old state "
+            "in its place, so the two must match, as optax requires."
+        )
+    # The state leaves each variable is, where it is of the old leaf's type.
+    leaves_of: dict = {}
+    for i, var in enumerate(jaxpr.outvars[n_updates:]):
+        if not isinstance(var, _compat.Literal) and _same_type(var.aval, old[i]):
+            leaves_of.setdefault(var, []).append(i)
+    env = dict(zip(jaxpr.constvars, consts))
+    kept: dict = {}  # state leaf -> its selected value
+
+    def write(var, value):
+        env[var] = value
+        indices = leaves_of.get(var, ())
+        for i in indices:
+            kept[i] = lax.select_n(drop, value, old[i])
+        if indices:
+            env[var] = kept[indices[0]]  # what comes after reads the selected value
+
+    for var, value in zip(jaxpr.invars, jax.tree.leaves((grads, state, params))):
+        write(var, value)
+    for eqn in jaxpr.eqns:
+        outs = _compat.bind(eqn, *[_read(env, v) for v in eqn.invars])
+        # (A dropped output is written too: nothing reads it.)
+        for var, value in zip(eqn.outvars, outs):
+            write(var, value)
+    flat = [_read(env, v) for v in jaxpr.outvars]
+    for i, value in enumerate(flat[n_updates:]):
+        # Not selected where computed: a constant, or a leaf inner retyped.
+        flat[n_updates + i] = kept[i] if i in kept else jnp.where(drop, old[i], value)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), flat)
+
+
+def _read(env, var):
+    return var.val if isinstance(var, _compat.Literal) else env[var]
+
+
+def _same_type(aval, x) -> bool:
+    return aval.shape == jnp.shape(x) and aval.dtype == jnp.result_type(x)

@@ -1,0 +1,163 @@
+"""How the scaler keeps or drops a step, whatever optimizer it wraps.
+
+The scaler traces the wrapped optimizer's update and selects each new state leaf
+against the old one where the optimizer computes it (so that XLA computes each
+moment once). These tests hold what that must never change: a kept step is the
+optimizer's own, bit for bit, and a dropped one leaves its state bit for bit.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mpjax
+from mpjax import _finite
+from mpjax.scaler import SubtreeFlags, scaler_stats
+
+
+def _params():
+    rng = np.random.default_rng(0)
+    return {
+        "dense": {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32), "b": jnp.zeros(3)},
+        "scale": jnp.ones(3),
+        "embed": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32),
+    }
+
+
+def _grads(seed: int):
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), _params())
+
+
+INNER = {
+    "sgd": lambda: optax.sgd(0.1),
+    "sgd nesterov": lambda: optax.sgd(0.1, momentum=0.9, nesterov=True),
+    "adam": lambda: optax.adam(1e-3),
+    "adamw": lambda: optax.adamw(1e-3, weight_decay=0.1),
+    "lion": lambda: optax.lion(1e-4),
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "lamb": lambda: optax.lamb(1e-3),
+    "clipped adam": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+    "injected adam": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
+    "noisy sgd": lambda: optax.noisy_sgd(0.1),
+    "multi_transform": lambda: optax.multi_transform(
+        {"a": optax.adam(1e-3), "s": optax.sgd(0.1)},
+        {"dense": "a", "scale": "s", "embed": "a"},
+    ),
+}
+
+
+ROUNDED = {"noisy sgd": 1e-5}
+"""Optimizers whose kept updates may differ from their own by a few ulps. The scaler's
+program is not inner's, and XLA fuses it differently: noisy_sgd's Gaussian noise (an
+erf_inv polynomial) is then rounded differently on jax 0.12. Its state is exact."""
+
+
+@pytest.mark.parametrize("name", list(INNER))
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_a_kept_step_is_the_optimizers_own_and_a_skipped_one_keeps_its_state(name, jit):
+    params = _params()
+    inner = INNER[name]()
+    tx = mpjax.grad_scaler(INNER[name]())
+    inner_update = jax.jit(inner.update) if jit else inner.update
+    update = jax.jit(tx.update) if jit else tx.update
+    inner_state, state = inner.init(params), tx.init(params)
+    for seed in range(3):
+        grads = _grads(seed)
+        expected_updates, inner_state = inner_update(grads, inner_state, params)
+        updates, state = update(grads, state, params)
+        assert not bool(state.last_step_skipped)
+        if name in ROUNDED:
+            chex.assert_trees_all_close(updates, expected_updates, rtol=ROUNDED[name], atol=0)
+            chex.assert_trees_all_equal(state.inner_state, inner_state)
+        else:
+            chex.assert_trees_all_equal(updates, expected_updates)
+            chex.assert_trees_all_equal(state.inner_state, inner_state)
+        params = optax.apply_updates(params, updates)
+    for bad in (np.inf, np.nan):
+        grads = _grads(9)
+        grads["dense"]["w"] = grads["dense"]["w"].at[1, 2].set(bad)
+        updates, new_state = update(grads, state, params)
+        assert bool(new_state.last_step_skipped)
+        chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+        chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, updates))
+
+
+@pytest.mark.parametrize("name", ["adam", "clipped adam"])
+def test_accumulation_keeps_the_optimizers_step_on_the_last_micro_batch_only(name):
+    params = _params()
+    inner = INNER[name]()
+    tx = mpjax.grad_scaler(INNER[name](), accumulation_steps=2, accumulation="sum")
+    update = jax.jit(tx.update)
+    inner_state, state = inner.init(params), tx.init(params)
+    first, second = _grads(1), _grads(2)
+    updates, state = update(first, state, params)
+    chex.assert_trees_all_equal(state.inner_state, inner.init(params))
+    chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, updates))
+    updates, state = update(second, state, params)
+    total = jax.tree.map(lambda a, b: a + b, first, second)
+    expected_updates, inner_state = jax.jit(inner.update)(total, inner_state, params)
+    chex.assert_trees_all_equal(updates, expected_updates)
+    chex.assert_trees_all_equal(state.inner_state, inner_state)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_debug_nans_stays_quiet_on_a_skipped_step(jit):
+    # With JAX's NaN and inf checks on, the optimizer runs on zeros when the step
+    # is skipped, so that the checks stop at the user's overflow, not inside adam
+    # (adam on an infinite gradient divides inf by inf).
+    params = _params()
+    tx = mpjax.grad_scaler(optax.adam(1e-3))
+    update = jax.jit(tx.update) if jit else tx.update
+    state = tx.init(params)
+    grads = _grads(0)
+    grads["scale"] = grads["scale"].at[0].set(jnp.inf)
+    with jax.debug_nans(True):
+        updates, new_state = update(grads, state, params)
+    assert bool(new_state.last_step_skipped)
+    chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+
+
+def test_an_optimizer_that_changes_its_states_structure_is_refused():
+    def update(updates, state, params=None):
+        return updates, {"count": state}  # a dict where init made an array
+
+    inner = optax.GradientTransformation(lambda p: jnp.zeros([]), update)
+    tx = mpjax.grad_scaler(inner)
+    params = _params()
+    with pytest.raises(ValueError, match="structure"):
+        tx.update(_grads(0), tx.init(params), params)
+
+
+@pytest.mark.parametrize("bad_leaf", [0, 255, 256, 299, 300, 301])
+def test_many_leaves_of_one_size_are_checked_in_stacks(bad_leaf):
+    # 300 leaves of one size are checked by two stacked reductions (at most
+    # _finite._STACK leaves each), the two of other sizes by their own; a bad
+    # element anywhere skips the step and is named in nonfinite_subtrees.
+    assert _finite._STACK == 256
+    params = {f"p{i:03d}": jnp.ones(5) for i in range(300)}
+    params["p300"], params["p301"] = jnp.ones(7), jnp.ones(_finite.LARGE)
+    tx = mpjax.grad_scaler(optax.sgd(0.1))
+    state = tx.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    name = f"p{bad_leaf:03d}"
+    grads[name] = grads[name].at[-1].set(jnp.nan)
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    assert bool(state.last_step_skipped)
+    flags = scaler_stats(state)["nonfinite_subtrees"]
+    assert [k for k, v in flags.items() if bool(v)] == [f"['{name}']"]
+
+
+def test_subtree_flags_are_a_mapping_held_in_one_vector():
+    params = {"params": {"Dense_0": {"w": jnp.ones(3)}, "Dense_1": {"w": jnp.ones(2)}}}
+    state = mpjax.grad_scaler(optax.sgd(0.1)).init(params)
+    flags = state.nonfinite_subtrees
+    assert isinstance(flags, SubtreeFlags)
+    assert list(flags) == ["['params']['Dense_0']", "['params']['Dense_1']"]
+    assert len(jax.tree.leaves(flags)) == 1 and flags.flags.dtype == jnp.bool_
+    assert not bool(flags["['params']['Dense_1']"])
+    with pytest.raises(KeyError):
+        flags["['Dense_0']"]
