@@ -105,11 +105,9 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
         )
         return _zeros_where(drop, updates), state._replace(inner_state=inner_state)
     nonfinite, nonfinite_subtrees = _nonfinite_flags(config, grads, state.nonfinite_subtrees)
-    if jax.config.jax_debug_nans or jax.config.jax_debug_infs:
-        # inner's result is discarded when skipping; on zeros it computes no inf
-        # or NaN for the debug flags to stop at. Only then: the selects cost
-        # XLA compile time on every leaf (every pass of inner reads them).
-        grads = _zeros_where(nonfinite, grads)
+    # inner's result is discarded when skipping; on zeros it computes no inf or
+    # NaN (for jax_debug_nans, checkify, or a callback inside inner to stop at).
+    grads = _zeros_where(nonfinite, grads)
     if config.check_updates:
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
         # inner may itself produce a non-finite update from finite gradients
