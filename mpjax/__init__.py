@@ -13,6 +13,7 @@ from mpjax.diagnose import DiagnoseReport, diagnose
 from mpjax.policy import Rule, rule_for
 from mpjax.scaler import (
     GradScalerState,
+    SubtreeFlags,
     get_scale,
     grad_scaler,
     noop_scaler,
@@ -39,6 +40,7 @@ __all__ = [
     "static_scaler",
     "noop_scaler",
     "GradScalerState",
+    "SubtreeFlags",
     "get_scale",
     "set_scale",
     "scaled_value_and_grad",

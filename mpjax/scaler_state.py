@@ -84,7 +84,7 @@ class SubtreeFlags(Mapping):
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from mpjax.scaler import SubtreeFlags
+      >>> from mpjax import SubtreeFlags
       >>> flags = SubtreeFlags(("['a']", "['b']"), jnp.array([False, True]))
       >>> {name: bool(flag) for name, flag in flags.items()}
       {"['a']": False, "['b']": True}
