@@ -3,8 +3,8 @@
 Its cost that users meet first is compile time, not run time: a model has hundreds
 to thousands of parameter leaves, and XLA compiles every kernel of the update once.
 So the check makes few kernels whatever the number of leaves. Small leaves of one
-size are stacked and checked by one reduction (XLA fuses the stack into it; nothing
-is copied); a large leaf gets a reduction of its own, where its bytes, not its
+size are stacked (one copy of them, small by definition) and checked by one
+reduction; a large leaf gets a reduction of its own, where its bytes, not its
 kernel, cost the time. The flags come out as one vector, not a scalar per leaf:
 every scalar output is a kernel more.
 """
