@@ -39,6 +39,52 @@ def bind(eqn, *args, **param_updates):
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+def staging_trace(values):
+    """The trace of jit or make_jaxpr that holds every tracer of `values`, where
+    no other transformation sees them; otherwise None."""
+    from jax._src import core
+    from jax._src.interpreters import partial_eval as pe
+
+    trace = core.trace_ctx.trace
+    if type(trace) is not pe.DynamicJaxprTrace:
+        return None
+    if any(isinstance(x, jax.core.Tracer) and x._trace is not trace for x in values):
+        return None
+    return trace
+
+
+def emit(trace, eqn, args):
+    """`bind` of `eqn` on `args`, which may hold `Literal`s. With the `trace` of
+    `staging_trace` and arguments of the types `eqn` was traced with, the
+    equation is added to the trace as it is, as ``jit`` inlines a jaxpr: no type
+    inference per equation, which is most of a bind's cost."""
+    tracers = None if trace is None or eqn.effects else _staged(trace, eqn, args)
+    if tracers is None:
+        return bind(eqn, *[a.val if isinstance(a, Literal) else a for a in args])
+    out_avals = [v.aval for v in eqn.outvars]
+    src = eqn.source_info
+    return trace.emit_eqn(tracers, out_avals, eqn.primitive, eqn.params, eqn.effects, src, eqn.ctx)
+
+
+def _staged(trace, eqn, args):
+    """`args` as values of `trace`, each of the type of its variable in `eqn`, or
+    None where one is not."""
+    from jax._src.interpreters import partial_eval as pe
+
+    tracers = []
+    for x, var in zip(args, eqn.invars):
+        if isinstance(x, Literal):
+            x = pe.DynamicJaxprTracer(trace, x.aval, x, eqn.source_info)
+        elif isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            if jax.typeof(x) != var.aval:
+                return None
+            x = trace.new_const(x, source_info=eqn.source_info)  # a constant, as jit's
+        elif not (isinstance(x, jax.core.Tracer) and x._trace is trace and x.aval == var.aval):
+            return None
+        tracers.append(x)
+    return tracers
+
+
 def _transformed(x) -> bool:
     """Whether `x` is seen by a transformation (grad, jvp, vmap), not only staged
     out by jit or make_jaxpr."""

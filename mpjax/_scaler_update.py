@@ -278,5 +278,18 @@ def _select(pred: jax.Array, on_true, on_false):
 
 
 def _zeros_where(pred, tree):
-    """Zeros of `tree`'s shapes and dtypes where `pred`, `tree` elsewhere."""
-    return _select(pred, jax.tree.map(lambda t: lax.full_like(t, 0), tree), tree)
+    """Zeros of `tree`'s shapes and dtypes where `pred`, `tree` elsewhere.
+
+    One zeros per type (shape, dtype, sharding), shared by the leaves of that
+    type: a model's many leaves come in few types, and every ``full_like`` costs
+    trace time (XLA would merge the copies anyway).
+    """
+    zeros: dict = {}
+
+    def zeros_like(t):
+        key = jax.typeof(t)
+        if key not in zeros:
+            zeros[key] = lax.full_like(t, 0)
+        return zeros[key]
+
+    return _select(pred, jax.tree.map(zeros_like, tree), tree)

@@ -65,8 +65,13 @@ def update_selected(inner, drop, grads, state, params, extra):
 
     for var, value in zip(jaxpr.invars, jax.tree.leaves((grads, state, params))):
         write(var, value)
+    # Under jit, each equation is added to the trace as it is (the arguments
+    # have the types it was traced with); anything else binds it anew.
+    trace = _compat.staging_trace([*old, *jax.tree.leaves((grads, params, extra)), *consts])
     for eqn in jaxpr.eqns:
-        outs = _compat.bind(eqn, *[_read(env, v) for v in eqn.invars])
+        outs = _compat.emit(
+            trace, eqn, [v if isinstance(v, _compat.Literal) else env[v] for v in eqn.invars]
+        )
         # (A dropped output is written too: nothing reads it.)
         for var, value in zip(eqn.outvars, outs):
             write(var, value)

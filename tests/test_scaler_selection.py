@@ -7,6 +7,8 @@ optimizer's own (up to XLA rounding the same operations a few ulps apart in anot
 program), and a dropped one leaves its state bit for bit.
 """
 
+import collections
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -128,6 +130,36 @@ def test_debug_nans_stays_quiet_on_a_skipped_step(jit):
         updates, new_state = update(grads, state, params)
     assert bool(new_state.last_step_skipped)
     chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+
+
+@pytest.mark.parametrize("name", ["adam", "clipped adam", "adafactor"])
+def test_under_jit_the_optimizers_equations_are_staged_as_traced(name, monkeypatch):
+    # The selection re-evaluates the optimizer's jaxpr; under jit it adds each
+    # equation to the trace as it is, with no second type inference per equation
+    # (a bind each would cost the update's trace time once more), and the program
+    # is the optimizer's, plus one select per state leaf.
+    from mpjax import _compat, _skip
+
+    rebound = []
+    bind = _compat.bind
+    monkeypatch.setattr(
+        _compat, "bind", lambda eqn, *a, **k: rebound.append(eqn) or bind(eqn, *a, **k)
+    )
+    params, inner = _params(), INNER[name]()
+    state = inner.init(params)
+
+    def selected(grads, state, drop):
+        return _skip.update_selected(inner, drop, grads, state, params, {})
+
+    staged = jax.make_jaxpr(selected)(_grads(0), state, jnp.array(False))
+    assert [eqn.primitive.name for eqn in rebound] == []
+    own = jax.make_jaxpr(lambda g, s: inner.update(g, s, params))(_grads(0), state)
+
+    def counts(jaxpr):
+        return collections.Counter(e.primitive.name for e in jaxpr.eqns)
+
+    assert counts(staged) - counts(own) == {"select_n": len(jax.tree.leaves(state))}
+    assert counts(own) - counts(staged) == collections.Counter()
 
 
 def test_an_optimizer_that_changes_its_states_structure_is_refused():
