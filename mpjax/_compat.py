@@ -39,18 +39,15 @@ def bind(eqn, *args, **param_updates):
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def staging_trace(values):
-    """The trace of jit or make_jaxpr that holds every tracer of `values`, where
-    no other transformation sees them; otherwise None."""
+def staging_trace():
+    """The trace of jit or make_jaxpr in progress, if that is the current trace
+    (not vmap, grad or eager evaluation); otherwise None. `emit` checks that each
+    argument is its own."""
     from jax._src import core
     from jax._src.interpreters import partial_eval as pe
 
     trace = core.trace_ctx.trace
-    if type(trace) is not pe.DynamicJaxprTrace:
-        return None
-    if any(isinstance(x, jax.core.Tracer) and x._trace is not trace for x in values):
-        return None
-    return trace
+    return trace if type(trace) is pe.DynamicJaxprTrace else None
 
 
 def emit(trace, eqn, args):

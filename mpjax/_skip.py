@@ -67,7 +67,7 @@ def update_selected(inner, drop, grads, state, params, extra):
         write(var, value)
     # Under jit, each equation is added to the trace as it is (the arguments
     # have the types it was traced with); anything else binds it anew.
-    trace = _compat.staging_trace([*old, *jax.tree.leaves((grads, params, extra)), *consts])
+    trace = _compat.staging_trace()
     for eqn in jaxpr.eqns:
         outs = _compat.emit(
             trace, eqn, [v if isinstance(v, _compat.Literal) else env[v] for v in eqn.invars]
