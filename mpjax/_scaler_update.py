@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mpjax import _finite, _skip
+from mpjax._skip import select as _select
 from mpjax._float32 import _mul_f32_by_f64
 from mpjax.scaler_state import SubtreeFlags, register_serialization
 
@@ -260,21 +261,6 @@ def _is_inexact(x) -> bool:
 
 def accumulator_dtype(p):
     return jnp.promote_types(jnp.result_type(p), jnp.float32)
-
-
-def _select(pred: jax.Array, on_true, on_false):
-    """``jnp.where(pred, on_true, on_false)`` leaf by leaf, for a bool scalar `pred`.
-
-    One ``select_n`` per leaf: ``jnp.where`` wraps each call in a nested jit,
-    which costs trace and compile time on trees of thousands of leaves.
-    """
-
-    def one(t, f):
-        if jnp.result_type(t) != jnp.result_type(f) or jnp.shape(t) != jnp.shape(f):
-            return jnp.where(pred, t, f)  # rare: an inner that retypes its state
-        return lax.select_n(pred, f, t)  # a scalar predicate needs no broadcast
-
-    return jax.tree.map(one, on_true, on_false)
 
 
 def _zeros_where(pred, tree):

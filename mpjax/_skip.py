@@ -35,18 +35,13 @@ def update_selected(inner, drop, grads, state, params, extra):
         # Called eagerly: nothing is compiled as a whole, so the plain selects
         # cost nothing more, and each operation runs as inner's own does.
         updates, new = run(grads, state, params)
-        return updates, jax.tree.map(lambda n, o: jnp.where(drop, o, n), new, state)
+        _check_structure(jax.tree.structure(new), state)
+        return updates, select(drop, state, new)
     closed, out_shape = jax.make_jaxpr(run, return_shape=True)(grads, state, params)
     jaxpr, consts = _compat.jaxpr_and_consts(closed)
     old = jax.tree.leaves(state)
     n_updates = len(jax.tree.leaves(out_shape[0]))
-    if jax.tree.structure(out_shape[1]) != jax.tree.structure(state):
-        raise ValueError(
-            "grad_scaler: the wrapped optimizer's update returned a state of another "
-            f"structure than its init made ({jax.tree.structure(out_shape[1])} against "
-            f"{jax.tree.structure(state)}); a skipped step must return the old state "
-            "in its place, so the two must match, as optax requires."
-        )
+    _check_structure(jax.tree.structure(out_shape[1]), state)
     # The state leaves each variable is, where it is of the old leaf's type.
     leaves_of: dict = {}
     for i, var in enumerate(jaxpr.outvars[n_updates:]):
@@ -80,6 +75,31 @@ def update_selected(inner, drop, grads, state, params, extra):
         # Not selected where computed: a constant, or a leaf inner retyped.
         flat[n_updates + i] = kept[i] if i in kept else jnp.where(drop, old[i], value)
     return jax.tree.unflatten(jax.tree.structure(out_shape), flat)
+
+
+def select(pred: jax.Array, on_true, on_false):
+    """``jnp.where(pred, on_true, on_false)`` leaf by leaf, for a bool scalar `pred`.
+
+    One ``select_n`` per leaf: ``jnp.where`` wraps each call in a nested jit,
+    which costs trace and compile time on trees of thousands of leaves.
+    """
+
+    def one(t, f):
+        if jnp.result_type(t) != jnp.result_type(f) or jnp.shape(t) != jnp.shape(f):
+            return jnp.where(pred, t, f)  # rare: an inner that retypes its state
+        return lax.select_n(pred, f, t)  # a scalar predicate needs no broadcast
+
+    return jax.tree.map(one, on_true, on_false)
+
+
+def _check_structure(new, state) -> None:
+    if new != jax.tree.structure(state):
+        raise ValueError(
+            "grad_scaler: the wrapped optimizer's update returned a state of another "
+            f"structure than its init made ({new} against {jax.tree.structure(state)}); "
+            "a skipped step must return the old state in its place, so the two must "
+            "match, as optax requires."
+        )
 
 
 def _read(env, var):
