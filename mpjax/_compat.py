@@ -227,6 +227,16 @@ def backward_operands_dtype(low):
     return jax.numpy.float32 if platform == "cpu" and low == jax.numpy.bfloat16 else low
 
 
+def is_optax_placeholder(params) -> bool:
+    """Whether `params` is the stand-in `optax.tree_map_params` inits optimizers on.
+
+    A private optax class (``optax.tree_utils._state_utils._ParamsPlaceholder``),
+    recognised by name so that a move between optax releases cannot break imports.
+    """
+    cls = type(params)
+    return cls.__name__ == "_ParamsPlaceholder" and cls.__module__.startswith("optax")
+
+
 def is_tracer(x) -> bool:
     """Whether `x` is a value of a trace in progress (jit, grad, vmap, ...)."""
     return isinstance(x, jax.core.Tracer)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mpjax import _finite, _skip
+from mpjax import _compat, _finite, _skip
 from mpjax._skip import select as _select
 from mpjax._float32 import _mul_f32_by_f64
 from mpjax.scaler_state import SubtreeFlags, register_serialization
@@ -194,8 +194,13 @@ def _nonfinite_flags(config: ScalerConfig, tree, subtrees):
     return nonfinite, SubtreeFlags(names, by_subtree) if subtrees else subtrees
 
 
-def no_subtree_flags(params) -> SubtreeFlags:
+def no_subtree_flags(params) -> SubtreeFlags | jax.Array:
     """The `SubtreeFlags` of `params` with every flag clear, as `init` keeps them."""
+    if _compat.is_optax_placeholder(params):
+        # optax.tree_map_params inits on a stand-in without leaves, where the
+        # names cannot be known: one leaf takes their place, so that its
+        # transform_non_params gets the state's SubtreeFlags whole.
+        return jnp.zeros([0], jnp.bool_)
     names = tuple(subtree_names(params))
     register_serialization()
     return SubtreeFlags(names, jnp.zeros([len(names)], jnp.bool_))

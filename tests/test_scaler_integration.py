@@ -237,6 +237,48 @@ def test_nnx_optimizer():
 # Gradient accumulation.
 
 
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+def test_tree_map_params_maps_every_parameter_shaped_part(accumulation_steps):
+    # optax.tree_map_params is how a sharded model gives its optimizer state the
+    # parameters' shardings: the moments (and the accumulator) get the
+    # parameters', everything else what transform_non_params says.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    sharded = jax.sharding.NamedSharding(mesh, P("data"))
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    params = {"w": jnp.arange(8.0 * jax.device_count()).reshape(-1, 4), "b": jnp.ones(4)}
+    param_shardings = {"w": sharded, "b": replicated}
+    params = jax.device_put(params, param_shardings)
+    tx = grad_scaler(optax.adam(1e-3), accumulation_steps=accumulation_steps, accumulation="mean")
+    abstract = jax.eval_shape(tx.init, params)
+
+    shardings = optax.tree_map_params(
+        tx, lambda _, s: s, abstract, param_shardings, transform_non_params=lambda _: replicated
+    )
+
+    state = jax.jit(tx.init, out_shardings=shardings)(params)
+    moments = [state.inner_state[0].mu, state.inner_state[0].nu]
+    if accumulation_steps > 1:
+        moments.append(state.grad_accumulator)
+    for tree in moments:
+        assert tree["w"].sharding == sharded and tree["b"].sharding == replicated
+    assert state.scale.sharding == replicated
+    assert state.nonfinite_subtrees["['w']"].shape == ()
+    grads = jax.tree.map(jnp.ones_like, params)
+
+    def effective_step(update, state):
+        for _ in range(accumulation_steps):
+            updates, state = update(grads, state, params)
+        return updates, state
+
+    updates, state = effective_step(
+        jax.jit(tx.update, out_shardings=(param_shardings, shardings)), state
+    )
+    expected, expected_state = effective_step(jax.jit(tx.update), tx.init(params))
+    assert updates["w"].sharding == sharded
+    chex.assert_trees_all_equal(updates, expected)
+    chex.assert_trees_all_equal(state, expected_state)
+
+
 def test_accumulation_skips_the_effective_batch_with_an_inf():
     tx = grad_scaler(
         optax.sgd(1.0),
