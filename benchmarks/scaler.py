@@ -1,8 +1,8 @@
 """The loss scaler's own cost against the bare optimizer, in one process.
 
     PYTHONPATH=. python -m benchmarks.scaler [--leaves 10 100 1000 10000] [--params 1e6 1e8]
-        [--parts] [--models gpt resnet] [--check 1e4 1e5 1e6 1e7] [--repeats 15]
-        [--compile-repeats 3]
+        [--scalers grad_scaler ...] [--parts] [--models gpt resnet] [--check 1e4 1e5 1e6 1e7]
+        [--repeats 15] [--compile-repeats 3]
 
 Two ratios over bare `optax.adam(1e-3)`, each for `grad_scaler(optax.adam(1e-3))` with
 the default check (the gradients, as torch), with ``check_updates=True`` (the updates
@@ -12,6 +12,9 @@ too), and for optax's own skip-on-non-finite wrapper, `optax.apply_if_finite`:
   leaves (the median of interleaved repeats);
 * step: run time of the compiled update on a tree of 10 leaves holding the given
   number of parameters in all (the median of interleaved repeats).
+
+``--scalers`` names the wrappers to measure (all three by default): at 10000 leaves
+each compile takes minutes.
 
 With ``--parts``, the compile time of the default scaler's two halves on the same
 leaves, each over bare adam: adam with the finite check alone (the scaler's own
@@ -64,8 +67,8 @@ _SCALERS = {
 """The wrappers of adam measured against bare adam, by name."""
 
 
-def _contenders() -> dict[str, optax.GradientTransformation]:
-    return {"adam": optax.adam(1e-3), **{k: wrap(optax.adam(1e-3)) for k, wrap in _SCALERS.items()}}
+def _contenders(names=tuple(_SCALERS)) -> dict[str, optax.GradientTransformation]:
+    return {"adam": optax.adam(1e-3), **{k: _SCALERS[k](optax.adam(1e-3)) for k in names}}
 
 
 def _ratios(med: dict, field: str, names) -> dict:
@@ -76,15 +79,15 @@ def _ratios(med: dict, field: str, names) -> dict:
     return out
 
 
-def compile_ratio(n: int, repeats: int = 3) -> dict:
-    """Compile seconds of each wrapper's update and of bare adam's, on n leaves."""
+def compile_ratio(n: int, repeats: int = 3, names=tuple(_SCALERS)) -> dict:
+    """Compile seconds of each named wrapper's update and of bare adam's, on n leaves."""
     params = _leaves(n, 12)
     contenders = {
         k: lambda tx=tx, s=tx.init(params): _compile_seconds(tx.update, params, s, params)
-        for k, tx in _contenders().items()
+        for k, tx in _contenders(names).items()
     }
     med = timing.interleaved(contenders, repeats=repeats, warmup=False)
-    return {"leaves": n, **_ratios(med, "total", _SCALERS)}
+    return {"leaves": n, **_ratios(med, "total", names)}
 
 
 def _check_only(adam):
@@ -135,17 +138,19 @@ def _step_seconds(fn, *args, calls: int) -> dict[str, float]:
     return {"step": (time.perf_counter() - t0) / calls}
 
 
-def step_ratio(total_params: int, leaves: int = 10, repeats: int = 15) -> dict:
-    """Run time of the compiled update, scaler over bare adam, on `total_params`."""
+def step_ratio(
+    total_params: int, leaves: int = 10, repeats: int = 15, names=tuple(_SCALERS)
+) -> dict:
+    """Run time of the compiled update, each named wrapper over bare adam."""
     params = _leaves(leaves, total_params // leaves)
     grads = jax.tree.map(lambda p: p * 0.25, params)
     calls = min(100, max(1, int(2e7 // total_params)))
     contenders = {}
-    for name, tx in _contenders().items():
+    for name, tx in _contenders(names).items():
         update, state = jax.jit(tx.update), tx.init(params)
         contenders[name] = lambda u=update, s=state: _step_seconds(u, grads, s, params, calls=calls)
     med = timing.interleaved(contenders, repeats=repeats)
-    return {"params": total_params, **_ratios(med, "step", _SCALERS)}
+    return {"params": total_params, **_ratios(med, "step", names)}
 
 
 _CHECKS = {
@@ -178,6 +183,13 @@ def main(argv=None) -> None:
     parser.add_argument("--leaves", type=int, nargs="*", default=[10, 100, 1000])
     parser.add_argument("--params", type=float, nargs="*", default=[1e6])
     parser.add_argument("--parts", action="store_true", help="the scaler's halves' compile")
+    parser.add_argument(
+        "--scalers",
+        nargs="+",
+        default=list(_SCALERS),
+        choices=list(_SCALERS),
+        help="the wrappers measured against bare adam (all by default)",
+    )
     parser.add_argument("--models", nargs="*", default=[], choices=sorted(SIZES["runtime"]))
     parser.add_argument("--check", type=float, nargs="*", default=[])
     parser.add_argument("--repeats", type=int, default=15, help="of each run-time measurement")
@@ -187,10 +199,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
     if args.leaves:
-        print(_header("leaves", "adam compile (s)", _SCALERS, "s"))
+        print(_header("leaves", "adam compile (s)", args.scalers, "s"))
     for n in args.leaves:
-        r = compile_ratio(n, repeats=_compile_repeats(args, n))
-        print(f"| {n} | {_row(r, _SCALERS, '.2f', 1)}", flush=True)
+        r = compile_ratio(n, repeats=_compile_repeats(args, n), names=tuple(args.scalers))
+        print(f"| {n} | {_row(r, args.scalers, '.2f', 1)}", flush=True)
     if args.leaves and args.parts:
         print()
         print(_header("leaves", "adam compile (s)", _PARTS, "s"))
@@ -199,10 +211,10 @@ def main(argv=None) -> None:
         print(f"| {n} | {_row(r, _PARTS, '.2f', 1)}", flush=True)
     if args.params:
         print()
-        print(_header("parameters (10 leaves)", "adam step (ms)", _SCALERS, "ms"))
+        print(_header("parameters (10 leaves)", "adam step (ms)", args.scalers, "ms"))
     for p in args.params:
-        r = step_ratio(int(p), repeats=args.repeats)
-        print(f"| {int(p):.0e} | {_row(r, _SCALERS, '.2f', 1e3)}", flush=True)
+        r = step_ratio(int(p), repeats=args.repeats, names=tuple(args.scalers))
+        print(f"| {int(p):.0e} | {_row(r, args.scalers, '.2f', 1e3)}", flush=True)
     if args.check:
         print()
         print("| leaf size | pass (us) | any over booleans | max over bytes | mpjax uses |")

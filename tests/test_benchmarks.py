@@ -236,6 +236,17 @@ def test_scaler_benchmark_runs_and_reports_ratios(capsys):
     assert len(ratios) == 6 and all(r > 0 for r in ratios)
 
 
+def test_scaler_benchmark_measures_only_the_named_wrappers(capsys):
+    from benchmarks import scaler
+
+    scaler.main(["--leaves", "3", "--params", "3000", "--scalers", "grad_scaler"])
+    out = capsys.readouterr().out
+    assert "| leaves | adam compile (s) | grad_scaler (s) | ratio |\n" in out
+    assert "apply_if_finite" not in out and "check_updates" not in out
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| 3")]
+    assert [len(row) for row in rows] == [6, 6] and all(float(row[4]) > 0 for row in rows)
+
+
 def test_scaler_benchmark_compiles_the_scalers_halves_apart(capsys):
     from benchmarks import scaler
 
