@@ -1,7 +1,8 @@
 """Everything mpjax needs from JAX internals, in one place (jax 0.10 to 0.12).
 
 The interpreter reads jaxprs and re-binds primitives. The public ways to do that
-move between JAX releases; each difference is absorbed here, nowhere else.
+move between JAX releases; each difference is absorbed here, nowhere else. The one
+private optax name mpjax recognises (`is_optax_placeholder`) is here too.
 """
 
 from __future__ import annotations
