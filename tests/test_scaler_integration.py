@@ -233,10 +233,6 @@ def test_nnx_optimizer():
     assert int(nnx.as_pure(optimizer.opt_state).inner_state[0].count) == 2
 
 
-# --------------------------------------------------------------------------
-# Gradient accumulation.
-
-
 @pytest.mark.parametrize("accumulation_steps", [1, 2])
 def test_tree_map_params_maps_every_parameter_shaped_part(accumulation_steps):
     # optax.tree_map_params is how a sharded model gives its optimizer state the
@@ -277,6 +273,10 @@ def test_tree_map_params_maps_every_parameter_shaped_part(accumulation_steps):
     assert updates["w"].sharding == sharded
     chex.assert_trees_all_equal(updates, expected)
     chex.assert_trees_all_equal(state, expected_state)
+
+
+# --------------------------------------------------------------------------
+# Gradient accumulation.
 
 
 def test_accumulation_skips_the_effective_batch_with_an_inf():
