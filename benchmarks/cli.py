@@ -153,13 +153,14 @@ def cpu_benchmarks(mode: str, log=print) -> dict:
 
 
 def gpu_jobs(families, names) -> list[tuple[str, str, str | None]]:
-    """(family, variant, matmul precision) per GPU worker. float32 also runs at
-    'highest' precision, last: by default XLA runs float32 matmuls on TF32 tensor
-    cores, so 'float32' is TF32 unless said otherwise."""
+    """(family, variant, matmul precision) per GPU worker. Where float32 is among
+    `names`, it also runs at 'highest' precision, last: by default XLA runs float32
+    matmuls on TF32 tensor cores, so 'float32' is TF32 unless said otherwise."""
     jobs = []
     for family in families:
         jobs += [(family, n, None) for n in names]
-        jobs.append((family, "float32", "highest"))
+        if "float32" in names:
+            jobs.append((family, "float32", "highest"))
     return jobs
 
 

@@ -223,6 +223,19 @@ def test_stablehlo_parser_counts_float32_values_as_float32():
     assert cov.matmul_flops == 2 * 2 * 4 * 3 and cov.low_precision_flops == 0
 
 
+def test_gpu_jobs_add_true_float32_only_where_float32_is_asked_for():
+    gpu_jobs = importlib.import_module("benchmarks.cli").gpu_jobs
+    assert gpu_jobs(["gpt"], ["float32", "autocast-bf16"]) == [
+        ("gpt", "float32", None),
+        ("gpt", "autocast-bf16", None),
+        ("gpt", "float32", "highest"),
+    ]
+    assert gpu_jobs(["gpt", "resnet"], ["autocast-bf16"]) == [
+        ("gpt", "autocast-bf16", None),
+        ("resnet", "autocast-bf16", None),
+    ]
+
+
 def test_scaler_benchmark_runs_and_reports_ratios(capsys):
     from benchmarks import scaler
 
