@@ -132,15 +132,8 @@ def find(jaxpr) -> Fusions:
         if e.primitive.name == "select_n" and _has_derivative(e.outvars[0])
     }
     residual_sums = _residual_sums(eqns, producer, readers, bias_adds)
-    return Fusions(
-        bias_adds,
-        float32_sums,
-        residual_sums,
-        chains,
-        frozenset(deferred),
-        _arguments(jaxpr),
-        selects,
-    )
+    fused = (bias_adds, float32_sums, residual_sums, chains, frozenset(deferred))
+    return Fusions(*fused, _arguments(jaxpr), selects)
 
 
 def _residual_sums(eqns, producer, readers, bias_adds) -> frozenset:
@@ -332,7 +325,10 @@ def _product_operand(eqn, vals):
 
 def pointwise(chain: Chain, eqns, source_value):
     """The chain evaluated at float32 on a 16-bit `source_value`, its result
-    rounded to that dtype; rematerialized for the backward pass."""
+    rounded to that dtype; rematerialized for the backward pass. The checkpoint
+    bars common-subexpression elimination: in a jitted step XLA would otherwise
+    merge the recomputation with the forward chain and keep its float32
+    intermediates (a GELU's tanh) after all."""
     low = dtype_of(source_value)
 
     def function(x):
@@ -348,7 +344,7 @@ def pointwise(chain: Chain, eqns, source_value):
             env.update(zip(eqn.outvars, _compat.bind(eqn, *map(read, eqn.invars))))
         return convert(env[chain.out], low, False)
 
-    return jax.checkpoint(function, prevent_cse=False)(source_value)
+    return jax.checkpoint(function)(source_value)
 
 
 def keeps_no_broadcast(prim, *avals, **params) -> bool:

@@ -169,6 +169,33 @@ def test_backward_pass_keeps_the_16_bit_activation_not_float32_intermediates():
     assert kept and all(dtype == BF16 for _, dtype in kept), kept
 
 
+def test_a_jitted_gradient_keeps_no_float32_intermediates_either():
+    """Compiled as one program, XLA could merge the backward pass's recomputation
+    of the activation with the forward pass and keep its float32 intermediates
+    (the tanh), a float32 copy of the hidden layer: the recomputation prevents it."""
+    batch, width, hidden = 1024, 64, 8192
+    params = {"w1": _w(width, hidden), "b1": _w(hidden, seed=1), "w2": _w(hidden, width, seed=2)}
+    x = _w(batch, width, seed=3)
+
+    def loss(p, x):
+        return jnp.mean((_gelu(x @ p["w1"] + p["b1"]) @ p["w2"]) ** 2)
+
+    def handcast(p, x):
+        p16 = jax.tree.map(lambda a: a.astype(BF16), p)
+        return loss(p16, x.astype(BF16)).astype(F32)
+
+    def temp_bytes(f):
+        compiled = jax.jit(jax.grad(f)).lower(params, x).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    hidden_f32 = batch * hidden * 4
+    autocast = temp_bytes(mpjax.autocast(loss, dtype=BF16))
+    # Before, about one float32 hidden layer less than float32's; now two or more.
+    assert autocast <= temp_bytes(loss) - 1.25 * hidden_f32
+    with jax.allow_f16_reductions(True):  # the hand-cast model sums in 16 bits
+        assert autocast < temp_bytes(handcast)
+
+
 def test_gradients_match_float32_as_before():
     params, x = _params(), _w(32, 8, seed=4)
     loss = lambda p, x: jnp.mean(_mlp(p, x).astype(F32) ** 2)  # noqa: E731
