@@ -361,3 +361,41 @@ def test_fidelity_over_batches(capsys):
     before = {"gpt": {"errors": {"autocast-f16": [errors["autocast-f16"][0], 0.0]}}}
     (row,) = fidelity.compare(before, out).splitlines()[2:]
     assert row.endswith("| 1/2 |")  # equal on the first batch, above 0 on the second
+
+
+def test_gpu_memory_compiles_the_timed_step_with_its_state_updated_in_place():
+    gpu_memory = importlib.import_module("benchmarks.gpu_memory")
+    r = gpu_memory.step_memory(SIZES["smoke"]["gpt"], "autocast-bf16", jax.devices()[0])
+    assert r["temp_bytes"] > 0
+    # Parameters and optimizer state are donated: the new ones take their place,
+    # so the peak holds one copy of them (and the loss), not two.
+    outputs_apart = r["peak_bytes"] - r["argument_bytes"] - r["temp_bytes"]
+    assert 0 <= outputs_apart < 0.01 * r["argument_bytes"], r
+
+
+def test_gpu_memory_says_how_to_get_the_cuda_plugin(monkeypatch):
+    gpu_memory = importlib.import_module("benchmarks.gpu_memory")
+    topologies = importlib.import_module("jax.experimental.topologies")
+
+    def no_plugin(**kwargs):
+        raise RuntimeError("Unknown backend: 'cuda' requested")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", no_plugin)
+    target = (gpu_memory.TARGETS / "h100.pbtxt").read_text()
+    with pytest.raises(SystemExit, match=re.escape(f'"jax[cuda12]=={jax.__version__}"')):
+        gpu_memory.device(target)
+
+
+def test_gpu_memory_table_compares_with_float32_and_the_hand_cast_model():
+    gpu_memory = importlib.import_module("benchmarks.gpu_memory")
+    gib = gpu_memory.GiB
+    results = {
+        "gpt": {
+            "float32": {"peak_bytes": 20 * gib},
+            "handcast-bf16": {"peak_bytes": 12 * gib},
+            "autocast-bf16": {"peak_bytes": 9 * gib},
+        }
+    }
+    rows = gpu_memory.table(results).splitlines()[2:]
+    assert rows[2] == "| gpt | autocast-bf16 | 9.00 | 0.450 | 0.750 |"
+    assert rows[0] == "| gpt | float32 | 20.00 | 1.000 |  |"

@@ -1,0 +1,148 @@
+"""Peak GPU memory of a training step, compiled for a GPU this machine does not have.
+
+    pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"
+    PYTHONPATH=. python -m benchmarks.gpu_memory [--families gpt resnet] [--variants ...]
+        [--target benchmarks/targets/h100.pbtxt] [--json F]
+
+XLA's GPU compiler needs a description of the device, not the device itself: JAX's
+deviceless ahead-of-time compilation (`jax.experimental.topologies`) compiles a
+jitted step for the GPU a target configuration describes, here an H100 (the
+``gpu_target_config`` XLA wrote when compiling on one). The step is the one
+`benchmarks.gpu` times: forward, backward and optimizer, parameters and optimizer
+state donated. Its peak is what XLA's buffer assignment allocates: the arguments,
+the temporaries, and the outputs not written in place of a donated argument. On the
+H100 itself, ``memory_stats()['peak_bytes_in_use']`` after the same step was within
+1 MiB of this number for eight of the nine steps compared, and 17 MiB (0.09%) below
+it for the ninth (docs/benchmarks.md).
+
+What this cannot show is time: without the device, XLA does not autotune its
+kernels, so it may choose Triton where it would choose cuBLAS (and the converts
+around it). Memory is set by the buffers the program keeps, which do not depend on
+that choice. To see what is alive at the peak, add
+``XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text"`` and read the
+``...-live-range.txt`` file ("Stack trace breakdown for peak usage").
+
+Needs the CUDA plugin of the installed jax (``jax[cuda12]``); runs on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import jax
+
+from benchmarks.cli import FAMILIES
+from benchmarks.report import _table
+from benchmarks.variants import VARIANTS
+
+GiB = 2**30
+TARGETS = pathlib.Path(__file__).parent / "targets"
+DEFAULT_VARIANTS = (
+    "float32",
+    "handcast-bf16",
+    "autocast-bf16",
+    "autocast-bf16-lean",
+    "handcast-f16",
+    "autocast-f16",
+)
+
+
+def device(target_config: str):
+    """The one device of a deviceless CUDA topology described by `target_config`."""
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=target_config, topology="1x1x1"
+        )
+    except Exception as e:  # the plugin is missing, or is another jax's
+        raise SystemExit(
+            f"cannot compile for a GPU without one here ({type(e).__name__}: {e}).\n"
+            "Install the CUDA plugin of the installed jax: pip install "
+            f'"jax[cuda12]=={jax.__version__}"'
+        ) from e
+    return topology.devices[0]
+
+
+def peak_bytes(analysis) -> int:
+    """Arguments, temporaries and outputs not aliased to a donated argument."""
+    return (
+        analysis.argument_size_in_bytes
+        + analysis.temp_size_in_bytes
+        + analysis.output_size_in_bytes
+        - analysis.alias_size_in_bytes
+    )
+
+
+def step_memory(spec, variant_name: str, dev) -> dict:
+    """Compiles `benchmarks.gpu`'s training step for `dev`; its memory in bytes."""
+    from benchmarks.variants import step_specs, train_step
+
+    step, tx = train_step(spec, VARIANTS[variant_name])
+    sharding = jax.sharding.SingleDeviceSharding(dev)
+    args = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+        step_specs(spec, tx),
+    )
+    t0 = time.perf_counter()
+    compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(*args).compile()
+    analysis = compiled.memory_analysis()
+    return {
+        "peak_bytes": peak_bytes(analysis),
+        "temp_bytes": analysis.temp_size_in_bytes,
+        "argument_bytes": analysis.argument_size_in_bytes,
+        "compile_s": time.perf_counter() - t0,
+    }
+
+
+def table(results: dict) -> str:
+    rows = []
+    for family, by_variant in results.items():
+        for name, r in by_variant.items():
+            f32 = by_variant.get("float32", {}).get("peak_bytes")
+            hand = by_variant.get(VARIANTS[name].baseline or "", {}).get("peak_bytes")
+            peak = r["peak_bytes"]
+            rows.append(
+                [
+                    family,
+                    name,
+                    f"{peak / GiB:.2f}",
+                    f"{peak / f32:.3f}" if f32 else "",
+                    f"{peak / hand:.3f}" if hand else "",
+                ]
+            )
+    return _table(["model", "variant", "peak GiB", "x float32", "x hand-cast"], rows)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS))
+    parser.add_argument("--target", default=str(TARGETS / "h100.pbtxt"))
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown --variants {unknown}; choose from {sorted(VARIANTS)}")
+    jax.config.update("jax_platforms", "cpu")  # compile for the target, run nothing
+    dev = device(pathlib.Path(args.target).read_text())
+    from benchmarks.models import SIZES
+
+    print(f"jax {jax.__version__}, compiled for {dev.device_kind} ({args.target}), gpu sizes")
+    results = {}
+    for family in args.families:
+        results[family] = {
+            name: step_memory(SIZES["gpu"][family], name, dev) for name in args.variants
+        }
+        print(f"{family} done", flush=True)
+    print(table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
