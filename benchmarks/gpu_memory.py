@@ -35,8 +35,9 @@ import time
 import jax
 
 from benchmarks.cli import FAMILIES
+from benchmarks.models import SIZES
 from benchmarks.report import _table
-from benchmarks.variants import VARIANTS
+from benchmarks.variants import VARIANTS, step_specs, train_step
 
 GiB = 2**30
 TARGETS = pathlib.Path(__file__).parent / "targets"
@@ -79,8 +80,6 @@ def peak_bytes(analysis) -> int:
 
 def step_memory(spec, variant_name: str, dev) -> dict:
     """Compiles `benchmarks.gpu`'s training step for `dev`; its memory in bytes."""
-    from benchmarks.variants import step_specs, train_step
-
     step, tx = train_step(spec, VARIANTS[variant_name])
     sharding = jax.sharding.SingleDeviceSharding(dev)
     args = jax.tree.map(
@@ -129,8 +128,6 @@ def main(argv=None) -> None:
         parser.error(f"unknown --variants {unknown}; choose from {sorted(VARIANTS)}")
     jax.config.update("jax_platforms", "cpu")  # compile for the target, run nothing
     dev = device(pathlib.Path(args.target).read_text())
-    from benchmarks.models import SIZES
-
     print(f"jax {jax.__version__}, compiled for {dev.device_kind} ({args.target}), gpu sizes")
     results = {}
     for family in args.families:
