@@ -211,21 +211,26 @@ def sub_jaxprs(params):
     return list(jex_core.jaxprs_in_params(params))
 
 
-def backward_operands_dtype(low):
-    """The dtype a weight-gradient product's 16-bit cotangent is handed to the
-    backend in.
+def weight_gradient(product, ct, low):
+    """``product(ct)`` for a weight-gradient product of the 16-bit cotangent `ct`,
+    in the dtype each backend multiplies it in.
 
     `low` everywhere but for bfloat16 on the CPU backend, whose dot kernel
     rejects bfloat16 x bfloat16 -> float32 products in the layouts XLA gives
     weight gradients ("Unsupported element type for DotThunk"): there the
-    cotangent's bfloat16 values go as float32, exactly, beside the bfloat16
-    operand, and the backend sums the same products in float32.
+    cotangent's bfloat16 values go as float32, exactly (and so, promoted, do the
+    other operand's), and the backend sums the same products in float32. The choice is
+    made where the program is lowered, for the platform it is lowered for
+    (``lax.platform_dependent``), not by the backend this process happens to
+    default to: a program exported or compiled ahead of time for a GPU on a
+    CPU host keeps its 16-bit products, and one placed on the CPU of a GPU
+    host still runs.
     """
-    try:
-        platform = jax.devices()[0].platform
-    except RuntimeError:
-        return low
-    return jax.numpy.float32 if platform == "cpu" and low == jax.numpy.bfloat16 else low
+    if low != jax.numpy.bfloat16:
+        return product(ct)
+    return jax.lax.platform_dependent(
+        ct, cpu=lambda c: product(c.astype(jax.numpy.float32)), default=product
+    )
 
 
 def is_optax_placeholder(params) -> bool:

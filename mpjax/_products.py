@@ -101,10 +101,13 @@ def _linear(sides, dn, precision, low):
         cts = []
         for (tangent, _, _, transpose, operand, is_param), other in zip(sides, others):
             result = F32 if is_param else low
-            carrier = convert(ct, _compat.backward_operands_dtype(low) if is_param else low, False)
             with jax.named_scope(RECAST_SCOPE):  # a forward value, not a gradient
                 other = _cast(other, low)
-            t = transpose(carrier, other, np.ndim(operand), dn, precision, result)
+
+            def product(carrier, other=other, transpose=transpose, operand=operand, result=result):
+                return transpose(carrier, other, np.ndim(operand), dn, precision, result)
+
+            t = _compat.weight_gradient(product, ct, low) if is_param else product(ct)
             cts.append(t.astype(tangent.dtype))
         return tuple(cts)
 

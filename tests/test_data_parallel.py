@@ -242,24 +242,42 @@ def test_float32_all_reduce_gives_the_single_device_gradients():
     assert distance(reduce_dtype=jnp.float16) > 100 * max(float32_order, np.finfo(np.float32).eps)
 
 
-def test_gpu_program_keeps_backward_products_in_16_bits():
-    """The program a GPU receives, exported here without one: every product of the
-    backward pass multiplies 16-bit operands, the weight gradients into float32
-    results, rather than upcasting a float32 cotangent into a float32 product."""
+def _exported_dot_types(dtype, platform):
+    """(lhs, rhs, result) element types of each product of the training step's
+    gradient, as exported for `platform` from this CPU-only machine."""
     params, x, y = _init()
-    exported = jax.export.export(jax.jit(jax.grad(mpjax.autocast(loss_fn))), platforms=["cuda"])(
-        params, x, y
-    )
+    grad = jax.jit(jax.grad(mpjax.autocast(loss_fn, dtype=dtype)))
+    exported = jax.export.export(grad, platforms=[platform])(params, x, y)
     dots = re.findall(r"stablehlo.dot_general .*", exported.mlir_module())
-    assert len(dots) == 5  # two forward; backward: two weight gradients, one for h
     types = []
     for dot in dots:
         operands = re.search(r": \((tensor<[^>]*>), (tensor<[^>]*>)\) -> (tensor<[^>]*>)", dot)
         types.append(tuple(t.split("x")[-1].rstrip(">") for t in operands.groups()))
-    assert all(t[:2] == ("f16", "f16") for t in types), types
+    return types
+
+
+@pytest.mark.parametrize("dtype, low", [(jnp.float16, "f16"), (jnp.bfloat16, "bf16")])
+def test_gpu_program_keeps_backward_products_in_16_bits(dtype, low):
+    """The program a GPU receives, exported here without one: every product of the
+    backward pass multiplies 16-bit operands, the weight gradients into float32
+    results, rather than upcasting a float32 cotangent into a float32 product.
+    (bfloat16 too: the CPU backend's float32 carrier for its weight gradients is
+    chosen for the platform lowered for, not for the one this process runs on.)"""
+    types = _exported_dot_types(dtype, "cuda")
+    assert len(types) == 5  # two forward; backward: two weight gradients, one for h
+    assert all(t[:2] == (low, low) for t in types), types
     # float32 results: the two forward accumulators and the two weight gradients
-    # (never rounded to 16 bits); the cotangent of the activation h is float16
-    assert sorted(t[2] for t in types) == ["f16", "f32", "f32", "f32", "f32"], types
+    # (never rounded to 16 bits); the cotangent of the activation h is 16-bit
+    assert sorted(t[2] for t in types) == sorted([low, "f32", "f32", "f32", "f32"]), types
+
+
+def test_cpu_program_multiplies_bfloat16_weight_gradients_as_its_backend_can():
+    """For the CPU, whose dot kernel has no bfloat16 x bfloat16 -> float32 weight
+    gradient, the product takes float32 operands holding bfloat16 values exactly."""
+    types = _exported_dot_types(jnp.bfloat16, "cpu")
+    assert len(types) == 5
+    weight_gradients = [t for t in types if t[:2] != ("bf16", "bf16")]
+    assert weight_gradients == [("f32", "f32", "f32")] * 2, types
 
 
 def test_autocast_keeps_input_shardings():
