@@ -104,7 +104,7 @@ def _linear(sides, dn, precision, low):
             with jax.named_scope(RECAST_SCOPE):  # a forward value, not a gradient
                 other = _cast(other, low)
 
-            def product(carrier, other=other, transpose=transpose, operand=operand, result=result):
+            def product(carrier):  # called (and traced) within this iteration
                 return transpose(carrier, other, np.ndim(operand), dn, precision, result)
 
             t = _compat.weight_gradient(product, ct, low) if is_param else product(ct)
