@@ -2,7 +2,7 @@
 
     pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"
     PYTHONPATH=. python -m benchmarks.gpu_memory [--families gpt resnet] [--variants ...]
-        [--target benchmarks/targets/h100.pbtxt] [--json F]
+        [--no-scaler] [--target benchmarks/targets/h100.pbtxt] [--json F]
 
 XLA's GPU compiler needs a description of the device, not the device itself: JAX's
 deviceless ahead-of-time compilation (`jax.experimental.topologies`) compiles a
@@ -20,7 +20,9 @@ kernels, so it may choose Triton where it would choose cuBLAS (and the converts
 around it). Memory is set by the buffers the program keeps, which do not depend on
 that choice. To see what is alive at the peak, add
 ``XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text"`` and read the
-``...-live-range.txt`` file ("Stack trace breakdown for peak usage").
+``...-live-range.txt`` file ("Stack trace breakdown for peak usage"). With
+``--no-scaler`` every step is compiled without the loss scaler, float16 ones too:
+what the scaler adds to a peak is the difference.
 
 Needs the CUDA plugin of the installed jax (``jax[cuda12]``); runs on a CPU.
 """
@@ -78,9 +80,12 @@ def peak_bytes(analysis) -> int:
     )
 
 
-def step_memory(spec, variant_name: str, dev) -> dict:
-    """Compiles `benchmarks.gpu`'s training step for `dev`; its memory in bytes."""
-    step, tx = train_step(spec, VARIANTS[variant_name])
+def step_memory(spec, variant_name: str, dev, scaler: bool | None = None) -> dict:
+    """Compiles `benchmarks.gpu`'s training step for `dev`; its memory in bytes.
+
+    `scaler` overrides the variant's own choice of the loss scaler.
+    """
+    step, tx = train_step(spec, VARIANTS[variant_name], scaler)
     sharding = jax.sharding.SingleDeviceSharding(dev)
     args = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
@@ -120,6 +125,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES)
     parser.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS))
+    parser.add_argument(
+        "--no-scaler", action="store_true", help="compile every step without the loss scaler"
+    )
     parser.add_argument("--target", default=str(TARGETS / "h100.pbtxt"))
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
@@ -128,11 +136,15 @@ def main(argv=None) -> None:
         parser.error(f"unknown --variants {unknown}; choose from {sorted(VARIANTS)}")
     jax.config.update("jax_platforms", "cpu")  # compile for the target, run nothing
     dev = device(pathlib.Path(args.target).read_text())
-    print(f"jax {jax.__version__}, compiled for {dev.device_kind} ({args.target}), gpu sizes")
+    scaler = False if args.no_scaler else None
+    print(
+        f"jax {jax.__version__}, compiled for {dev.device_kind} ({args.target}), gpu sizes"
+        + (", no loss scaler" if args.no_scaler else "")
+    )
     results = {}
     for family in args.families:
         results[family] = {
-            name: step_memory(SIZES["gpu"][family], name, dev) for name in args.variants
+            name: step_memory(SIZES["gpu"][family], name, dev, scaler) for name in args.variants
         }
         print(f"{family} done", flush=True)
     print(table(results))

@@ -373,6 +373,16 @@ def test_gpu_memory_compiles_the_timed_step_with_its_state_updated_in_place():
     assert 0 <= outputs_apart < 0.01 * r["argument_bytes"], r
 
 
+def test_gpu_memory_compiles_a_float16_step_without_the_scaler_when_told():
+    gpu_memory = importlib.import_module("benchmarks.gpu_memory")
+    spec, dev = SIZES["smoke"]["gpt"], jax.devices()[0]
+    scaled = gpu_memory.step_memory(spec, "autocast-f16", dev)
+    unscaled = gpu_memory.step_memory(spec, "autocast-f16", dev, scaler=False)
+    # The scaler's state (scale, counters, a flag per parameter subtree) is an
+    # argument of the scaled step only.
+    assert 0 < scaled["argument_bytes"] - unscaled["argument_bytes"] < 1024, (scaled, unscaled)
+
+
 def test_gpu_memory_says_how_to_get_the_cuda_plugin(monkeypatch):
     gpu_memory = importlib.import_module("benchmarks.gpu_memory")
     topologies = importlib.import_module("jax.experimental.topologies")
