@@ -55,7 +55,7 @@ INNER = {
     "lamb": lambda: optax.lamb(1e-3),
     "clipped adam": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
     "injected adam": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
-    "noisy sgd": lambda: optax.noisy_sgd(0.1),
+    "noisy sgd": lambda: optax.noisy_sgd(0.1, key=0),
     "multi_transform": lambda: optax.multi_transform(
         {"a": optax.adam(1e-3), "s": optax.sgd(0.1)},
         {"dense": "a", "scale": "s", "embed": "a"},
