@@ -80,6 +80,10 @@ def policy_rule(ctx, eqn, vals, weak):
         return _convert_rule(ctx, eqn, vals, weak)
     lean = ctx.region.lean
     rule = Rule.ORIGINAL if low is None else policy.rule_for(eqn.primitive.name, lean=lean)
+    if rule is Rule.LOW and any(dtype_of(x) == np.float64 for x in vals):
+        # float64 is never cast, so the product runs in float64 whatever autocast
+        # does: rounding its float32 operand to 16 bits would only lose precision.
+        rule = Rule.ORIGINAL
     if lean and rule is Rule.FLOAT32 and any(dtype_of(x) in policy.LOW_DTYPES for x in vals):
         return _float32_inside(ctx, eqn, vals, low)
     vals = fusions.residual_operands(ctx, eqn, vals)

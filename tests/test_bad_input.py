@@ -466,6 +466,24 @@ def test_integer_programs_run_untouched():
     assert report.find("dot_general")[0].out_dtypes == ("int8",)
 
 
+def test_float64_activation_times_float32_weight_runs_in_float64():
+    # Plain JAX promotes the product to float64. Rounding the float32 weight (or
+    # the result) to 16 bits would lose precision for no gain, or overflow.
+    def f(w, k, x):
+        conv = jax.lax.conv_general_dilated(x[None, None], k.astype(x.dtype), (1,), "SAME")
+        return x @ w, conv
+
+    with jax.enable_x64(True):
+        x = jnp.array([1.0 + 2**-30, 1000.0, 1e-3, 1e5], jnp.float64)
+        w = jnp.full((4, 2), 1.1, jnp.float32)
+        k = jnp.full((1, 1, 3), 1.1, jnp.float32)
+        for fun in (f, jax.grad(lambda w, k, x: sum(jnp.sum(o) for o in f(w, k, x)), (0, 1, 2))):
+            got = jax.jit(mpjax.autocast(fun))(w, k, x)
+            want = jax.jit(fun)(w, k, x)
+            chex.assert_trees_all_equal_dtypes(got, want)
+            chex.assert_trees_all_close(got, want, rtol=1e-15)
+
+
 def test_float64_programs_run_untouched_values_and_gradients():
     def f(w, x):
         return jnp.sum(jnp.exp(jnp.tanh(x @ w)) ** 2)
