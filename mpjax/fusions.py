@@ -71,6 +71,9 @@ class Chain(NamedTuple):
     source: object
     eqns: tuple[int, ...]
     out: object
+    products: tuple[int, ...] = ()
+    """The products reading `out` (through layout): it is rounded to their dtype,
+    so the chain fuses only where they run in its own region."""
 
 
 class Fusions(NamedTuple):
@@ -243,7 +246,19 @@ def _chain(source, members, eqns, readers) -> Chain | None:
     computes_float32 = any(policy.rule_for(eqns[i].primitive.name) is Rule.FLOAT32 for i in members)
     if not (written_in_float32 and computes_float32 and _read_by(out, eqns, readers, _PRODUCTS)):
         return None
-    return Chain(source, tuple(members), out)
+    return Chain(source, tuple(members), out, tuple(_readers_through_layout(out, eqns, readers)))
+
+
+def _readers_through_layout(v, eqns, readers) -> set:
+    """The equations reading `v`, directly or through layout primitives."""
+    found = set()
+    for i in set(readers[v]):
+        if eqns[i].primitive.name in policy.LAYOUT:
+            for o in eqns[i].outvars:
+                found |= _readers_through_layout(o, eqns, readers)
+        else:
+            found.add(i)
+    return found
 
 
 def _read_by(v, eqns, readers, names, through=frozenset(), seen=None) -> bool:

@@ -235,8 +235,9 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
 
 def _fuses(ctx: Context, chain, eqns, env) -> bool:
     """Whether a pointwise function runs as one (`mpjax.fusions`): the default
-    policy is on for all of it and its activation arrives in 16 bits."""
-    regions = {region_of(eqns[j], ctx.region) for j in chain.eqns}
+    policy is on for all of it and the products reading it (an inner region
+    may turn autocast off for them), and its activation arrives in 16 bits."""
+    regions = {region_of(eqns[j], ctx.region) for j in chain.eqns + chain.products}
     if len(regions) != 1:
         return False
     (region,) = regions

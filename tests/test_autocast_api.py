@@ -195,6 +195,22 @@ def test_inner_region_with_another_dtype_overrides():
     )
 
 
+@pytest.mark.parametrize(
+    "inner", [dict(enabled=False), dict(dtype=jnp.bfloat16)], ids=["disabled", "bfloat16"]
+)
+def test_activation_read_only_by_an_inner_region_is_not_rounded_to_the_outer_dtype(inner):
+    # exp(12.5) = 268337 overflows float16; the product that reads it runs in a
+    # region that never rounds its operand to float16.
+    def f(w1, w2, x):
+        a = jnp.exp((x @ w1) * 0.5)
+        return mpjax.autocast(lambda a: a @ w2, **inner)(a)
+
+    x, w1, w2 = jnp.full((1, 4), 6.25), jnp.ones((4, 2)), jnp.full((2, 1), 1e-3)
+    got, want = jax.jit(mpjax.autocast(f))(w1, w2, x), f(w1, w2, x)
+    assert np.isfinite(want).all()
+    np.testing.assert_allclose(got, want, rtol=1e-2)
+
+
 def test_disabled_region_inside_nested_jit():
     def f(w, x):
         off = mpjax.autocast(lambda a: jnp.sin(a @ w), enabled=False)
