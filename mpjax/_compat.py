@@ -272,8 +272,17 @@ def abstract(x, dtype, slice_leading: bool = False):
     at. Inside `shard_map`, a bare shape and dtype would be a replicated value."""
     aval = jax.typeof(x)
     if slice_leading:
-        aval = jax.eval_shape(lambda v: jax.lax.index_in_dim(v, 0, keepdims=False), x)
+        aval = jax.eval_shape(lambda v: jax.lax.index_in_dim(_nonempty(v), 0, keepdims=False), x)
     return aval.update(dtype=dtype, weak_type=False)
+
+
+def _nonempty(v):
+    """`v`, padded to one element along its first axis if it has none (a scan
+    over zero steps still has a body to probe)."""
+    if v.shape[0]:
+        return v
+    config = [(0, 1, 0)] + [(0, 0, 0)] * (v.ndim - 1)
+    return jax.lax.pad(v, jax.numpy.zeros((), v.dtype), config)
 
 
 def custom_vmap_parts(params):

@@ -2,6 +2,7 @@
 
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -333,3 +334,17 @@ def test_autocast_inside_shard_map():
     dots = _eqns(f, w, x, name="dot_general")
     assert [_operand_dtypes(e) for e in dots] == [{F16}]
     np.testing.assert_allclose(jax.jit(f)(w, x), jnp.sum(jnp.tanh(x @ w)), rtol=2e-2)
+
+
+def test_scan_and_map_over_zero_steps():
+    # An empty sequence or batch: plain JAX returns the initial carry and empty ys.
+    def f(w, ws, xs):
+        carry, ys = lax.scan(lambda c, x: (c + jnp.tanh(x @ w), x @ w), jnp.zeros(3), xs)
+        stacked = lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), jnp.ones(3), ws)[0]
+        return carry.sum() + stacked.sum() + ys.sum() + lax.map(lambda r: r @ w, xs).sum()
+
+    args = (_w(4, 3), _w(0, 3, 3), _w(0, 4))
+    for fun in (f, jax.grad(f, (0, 1, 2))):
+        got, want = jax.jit(mpjax.autocast(fun))(*args), fun(*args)
+        chex.assert_trees_all_equal(got, want)
+        chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
