@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpjax import _compat
+from mpjax import _constants
 from mpjax import _products
 from mpjax import fusions
 from mpjax import policy
@@ -25,7 +26,7 @@ from mpjax._casting import F32, convert, dtype_of
 from mpjax.policy import Rule
 
 
-def _targets(rule: Rule, eqn, vals, weak, low, lean=False) -> list:
+def _targets(rule: Rule, eqn, vals, weak, low, lean=False, scope=None) -> list:
     """The dtype each input is cast to (None: left as it is)."""
     dtypes = [dtype_of(x) for x in vals]
     castable = [policy.is_castable(d) for d in dtypes]
@@ -44,11 +45,12 @@ def _targets(rule: Rule, eqn, vals, weak, low, lean=False) -> list:
             strong = [(d, n) for d, n in strong if n == largest]
         strong = [d for d, _ in strong]
         target = policy.widest(strong) or policy.widest(d for d, c in zip(dtypes, castable) if c)
+        selection = eqn.primitive.name in _constants.SELECTIONS
         if target in policy.LOW_DTYPES and any(
-            w and not _fits(x, target) for x, w in zip(vals, weak)
+            w and not _constants.fits(scope, x, target, selection) for x, w in zip(vals, weak)
         ):
-            # A literal the low dtype cannot hold (``h / 1e5`` in float16): the
-            # operation runs in float32 rather than divide by inf or 65504.
+            # A constant the low dtype cannot hold (``h / 1e5`` in float16): the
+            # operation runs in float32 rather than divide by inf, 65504 or 0.
             target = F32
         return [target if c else None for c in castable]
     if rule is Rule.ORIGINAL:
@@ -57,20 +59,6 @@ def _targets(rule: Rule, eqn, vals, weak, low, lean=False) -> list:
             for v, c in zip(eqn.invars, castable)
         ]
     return [None] * len(vals)
-
-
-def _fits(x, dtype) -> bool:
-    """Whether a literal's values are normal numbers (or 0, inf) in `dtype`."""
-    if not isinstance(x, (np.ndarray, np.generic)) or not policy.is_castable(dtype_of(x)):
-        return True  # traced values: unknown, and saturated when cast (see Scope.cast)
-    info = jnp.finfo(dtype)
-    magnitude = np.abs(np.asarray(x, np.float64))
-    finite = magnitude[np.isfinite(magnitude)]
-    return bool(
-        np.all(
-            (finite == 0) | ((finite >= float(info.smallest_normal)) & (finite <= float(info.max)))
-        )
-    )
 
 
 def policy_rule(ctx, eqn, vals, weak):
@@ -87,7 +75,7 @@ def policy_rule(ctx, eqn, vals, weak):
     if lean and rule is Rule.FLOAT32 and any(dtype_of(x) in policy.LOW_DTYPES for x in vals):
         return _float32_inside(ctx, eqn, vals, low)
     vals = fusions.residual_operands(ctx, eqn, vals)
-    targets = _targets(rule, eqn, vals, weak, low, lean)
+    targets = _targets(rule, eqn, vals, weak, low, lean, ctx.scope)
     if fusions.joins_product(ctx, eqn, vals, weak):
         outs = fusions.bias_add(ctx, eqn, vals)
         if outs is not None:

@@ -53,6 +53,7 @@ import jax
 import numpy as np
 
 from mpjax import _compat
+from mpjax import _constants
 from mpjax import policy
 from mpjax._casting import F32, convert, dtype_of
 from mpjax.policy import Rule
@@ -71,9 +72,7 @@ class Chain(NamedTuple):
     source: object
     eqns: tuple[int, ...]
     out: object
-    products: tuple[int, ...] = ()
-    """The products reading `out` (through layout): it is rounded to their dtype,
-    so the chain fuses only where they run in its own region."""
+    products: tuple[int, ...] = ()  # reading `out`: it fuses only in their region
 
 
 class Fusions(NamedTuple):
@@ -244,36 +243,29 @@ def _chain(source, members, eqns, readers) -> Chain | None:
         and source.aval.dtype == F32
     )
     computes_float32 = any(policy.rule_for(eqns[i].primitive.name) is Rule.FLOAT32 for i in members)
-    if not (written_in_float32 and computes_float32 and _read_by(out, eqns, readers, _PRODUCTS)):
+    products: set = set()  # filled by _read_by
+    if not (written_in_float32 and computes_float32) or not _read_by(
+        out, eqns, readers, _PRODUCTS, found=products
+    ):
         return None
-    return Chain(source, tuple(members), out, tuple(_readers_through_layout(out, eqns, readers)))
+    return Chain(source, tuple(members), out, tuple(products))
 
 
-def _readers_through_layout(v, eqns, readers) -> set:
-    """The equations reading `v`, directly or through layout primitives."""
-    found = set()
-    for i in set(readers[v]):
-        if eqns[i].primitive.name in policy.LAYOUT:
-            for o in eqns[i].outvars:
-                found |= _readers_through_layout(o, eqns, readers)
-        else:
-            found.add(i)
-    return found
-
-
-def _read_by(v, eqns, readers, names, through=frozenset(), seen=None) -> bool:
+def _read_by(v, eqns, readers, names, through=frozenset(), seen=None, found=None) -> bool:
     """Whether every reader of `v` is one of the primitives `names`, directly or
-    through layout (and the primitives `through`)."""
+    through layout (and the primitives `through`); those readers are added to
+    `found`, if given (by ``found.add``, which returns None)."""
     seen = {} if seen is None else seen  # each variable's answer, computed once
     if v not in seen:
         seen[v] = all(
             i != _OUTPUT
             and (
-                eqns[i].primitive.name in names
+                (eqns[i].primitive.name in names and (found is None or not found.add(i)))
                 or (
                     eqns[i].primitive.name in policy.LAYOUT | through
                     and all(
-                        _read_by(o, eqns, readers, names, through, seen) for o in eqns[i].outvars
+                        _read_by(o, eqns, readers, names, through, seen, found)
+                        for o in eqns[i].outvars
                     )
                 )
             )
@@ -378,16 +370,18 @@ def select(rule, broadcasts, read, ctx, eqn, vals, weak) -> list:
     everything = [source for _, _, source, _ in redo] + list(vals)
     # Traced values go in as arguments; numpy constants stay closed over, so the
     # rule still sees them as literals.
-    traced = [i for i, x in enumerate(everything) if not _is_constant(x)]
+    traced = [i for i, x in enumerate(everything) if not _constants.is_concrete(x)]
 
     def compute(*args):
         xs = list(everything)
         for i, x in zip(traced, args):
             xs[i] = x
         inner, child = xs[len(redo) :], ctx.child()
+        _constants.copy(ctx.scope, child.scope, everything, xs)
         for (k, b, _, w), source in zip(redo, xs):
             # by the select's rule, which is every broadcast's (the policy's)
             (inner[k],) = rule(child, b, [source], [w])
+            _constants.copy(ctx.scope, child.scope, [vals[k]], [inner[k]])
         return rule(child, eqn, inner, weak)
 
     kept = jax.checkpoint(compute, policy=keeps_no_broadcast, prevent_cse=False)
@@ -398,13 +392,9 @@ def constant_broadcast(ctx, eqn, args, outs) -> list:
     """`outs`; where they broadcast a constant (jnp.zeros_like, a mask's fill),
     their casts are made at the source, then broadcast: of broadcasts alone,
     which a backward pass makes again (`select`) rather than keeping."""
-    if eqn.primitive.name == "broadcast_in_dim" and _is_constant(args[0]):
+    if eqn.primitive.name == "broadcast_in_dim" and _constants.is_concrete(args[0]):
         source = args[0]
         ctx.scope.remake_with(
             outs[0], lambda dtype: _compat.bind(eqn, convert(source, dtype, True))[0]
         )
     return outs
-
-
-def _is_constant(x) -> bool:
-    return isinstance(x, (np.ndarray, np.generic))

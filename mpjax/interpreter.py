@@ -27,6 +27,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from mpjax import _compat
+from mpjax import _constants
 from mpjax import first_order
 from mpjax import fusions
 from mpjax._casting import convert, dtype_of
@@ -76,6 +77,14 @@ class Scope:
         self.requests: list[tuple[Any, np.dtype, bool]] = []
         self._accumulators: dict[int, tuple[Any, Any]] = {}
         self._remakes: dict[int, tuple[Any, Callable]] = {}
+        self._constants: dict[int, tuple[Any, np.ndarray]] = {}
+
+    def record_constant(self, x, values) -> None:
+        """Records the values a weak tracer `x` can take (`mpjax._constants`)."""
+        self._constants[id(x)] = (x, values)
+
+    def constant_values(self, x):
+        return self._recorded("_constants", id(x))
 
     def remake_with(self, x, make: Callable) -> None:
         """Records how to make `x` at another dtype: ``make(dtype)`` (a constant's
@@ -163,7 +172,8 @@ class Context(NamedTuple):
         """
         if self.memo is None:
             return solve()
-        key = (id(eqn), self.region, tuple(map(_signature, vals, weak)))
+        signature = tuple(_signature(self.scope, x, w) for x, w in zip(vals, weak))
+        key = (id(eqn), self.region, signature)
         entry = self.memo.get(key)
         if entry is None:
             # The equation is kept with its result, so its id is not reused.
@@ -171,11 +181,13 @@ class Context(NamedTuple):
         return entry[1]
 
 
-def _signature(x, weak: bool):
+def _signature(scope: Scope, x, weak: bool):
     """What a rule's result may depend on in an input: its dtype and weak flag,
-    and a literal's value too (whether the low dtype holds it, `first_order._fits`)."""
-    if weak and isinstance(x, (np.ndarray, np.generic)):
-        return x.dtype, np.shape(x), np.asarray(x).tobytes()
+    and a constant's known values too (whether the low dtype holds them,
+    `mpjax._constants.fits`)."""
+    known = _constants.values(scope, x) if weak else None
+    if known is not None:
+        return dtype_of(x), np.shape(x), known.dtype, known.tobytes()
     return dtype_of(x), weak
 
 
@@ -271,6 +283,8 @@ def _evaluate(ctx: Context, eqn, read, env, rule: Callable | None = None) -> Non
             e._mpjax_noted = True
         raise
     out_weak = all(weaks)
+    if out_weak:
+        _constants.propagate(eqn_ctx.scope, eqn, vals, outs, eqn.primitive.name not in HIGHER_ORDER)
     for v, o in zip(eqn.outvars, outs, strict=True):
         env[v] = (o, out_weak)
 

@@ -47,21 +47,48 @@ def test_fully_masked_logsumexp_row_is_minus_inf(low):
     np.testing.assert_allclose(out[1:], ref[1:], rtol=rel_tol(low))
 
 
-def test_weak_constants_saturate_but_keep_inf_and_nan(low):
-    # The huge finite constant saturates to the low dtype's max (a -1e9 mask must
-    # not become -inf); the infinities and the NaN are kept as written.
+def test_a_mask_fill_saturates_but_infinities_and_nan_stay(low):
+    # In a selection, a finite fill above the low dtype's range saturates to its
+    # largest value (a -1e9 mask must not become -inf), and the selection stays
+    # 16-bit; infinities and NaN are kept as written.
     def f(x, w):
-        i = jnp.arange(4)  # `held` is computed from literals only: weak
-        held = jnp.where(
+        i = jnp.arange(4)  # computed from literals only: weak
+        fill = jnp.where(
             i == 0, -1e9, jnp.where(i == 1, -jnp.inf, jnp.where(i == 2, jnp.inf, jnp.nan))
         )
-        return (x @ w)[0] + held  # the add runs in `low`: `held` is cast to it
+        y = x @ w
+        return jnp.where(y[0] > 0, y[0], fill)
 
     x, w = jnp.zeros((2, 3)), jnp.zeros((3, 4))
     out = mpjax.autocast(f, dtype=low)(x, w)
     saturated = float(jnp.asarray(max(-1e9, -float(jnp.finfo(low).max)), low))
     np.testing.assert_array_equal(out[:3], [saturated, -np.inf, np.inf])
     assert np.isnan(out[3])
+    eqns = all_eqns(jax.make_jaxpr(mpjax.autocast(f, dtype=low))(x, w))
+    selects = [e for e in eqns if e.primitive.name == "select_n" and e.outvars[0].aval.shape == (4,)]
+    assert selects[-1].outvars[0].aval.dtype == low
+
+
+_CONSTANTS = {
+    "full_tiny": lambda y: y * jnp.full(y.shape, 1e-8),
+    "full_huge": lambda y: y * jnp.full(y.shape, 1e9),
+    "divide": lambda y: y / jnp.full(y.shape, 1e-6),
+    "log_where": lambda y: jnp.log(jnp.where(y > 0, y, 1e-10)),
+    "add_computed": lambda y: y[0] + jnp.where(jnp.arange(3) == 0, -1e9, jnp.arange(3) * 1e-9),
+    "large_broadcast": lambda y: jnp.tile(y, (1, 400)) * jnp.full((4, 1200), 1e-8),
+}
+
+
+@pytest.mark.parametrize("name", list(_CONSTANTS))
+def test_constants_the_low_dtype_cannot_hold_are_computed_as_written(low, name):
+    # As for a literal (``y * 1e-8``): a constant the program makes from literals
+    # (``jnp.full``, ``jnp.where``'s fill, arithmetic on them) and the low dtype
+    # cannot hold runs its operation in float32 instead of flushing it to 0 or inf.
+    x, w = _xw()
+    f = lambda x, w: _CONSTANTS[name](x @ w[:, :3])
+    got, want = jax.jit(mpjax.autocast(f, dtype=low))(x, w), f(x, w)
+    assert np.all(np.isfinite(want)) and np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, rtol=4 * rel_tol(low))
 
 
 # --- an explicit preferred_element_type is kept ------------------------------------

@@ -1,0 +1,108 @@
+"""What autocast knows at trace time of the values of a constant.
+
+A weak value (computed from literals alone) never widens an operation, but a
+16-bit cast of it must not change what it means: ``x * 1e-8`` and
+``x * jnp.full(shape, 1e-8)`` are one computation, and a float16 ``1e-8`` is 0.
+Literals are concrete; a constant the program computes is a tracer. `propagate`
+follows the values through the equations that make constants: exactly where the
+result is small (`EXACT_LIMIT` elements, evaluated at trace time), and as the set
+of values it can take where the equation only moves or selects values (a literal
+broadcast by ``jnp.full`` or ``jnp.where``). `fits` then decides as for a literal.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpjax import _compat
+from mpjax import policy
+from mpjax._casting import dtype_of
+
+EXACT_LIMIT = 1024
+"""Elements up to which a computed constant is evaluated at trace time."""
+
+# Each element of their result is an element of a floating input.
+MOVES_VALUES = policy.LAYOUT | frozenset({
+    "convert_element_type", "select_n", "pad", "max", "min", "clamp", "tile", "gather",
+    "dynamic_slice", "reduce_max", "reduce_min", "cummax", "cummin", "sort",
+})  # fmt: skip
+
+SELECTIONS = frozenset({"select_n", "max", "min", "clamp"})
+"""Where a constant is chosen, not computed with: a finite value above the low
+dtype's range saturates to its largest (a mask's ``-1e9`` is -65504 in float16),
+keeping the selection in 16 bits."""
+
+
+def is_concrete(x) -> bool:
+    return isinstance(x, (np.ndarray, np.generic))
+
+
+def values(scope, x):
+    """The values `x` can take, known at trace time (an array whose elements are
+    them), or None."""
+    if is_concrete(x):
+        return np.asarray(x)
+    return scope.constant_values(x)
+
+
+def propagate(scope, eqn, vals, outs, first_order: bool) -> None:
+    """Records, in `scope`, what is known of the floating outputs of `eqn`, an
+    equation on weak inputs `vals`."""
+    if all(is_concrete(o) for o in outs):
+        return
+    known = [values(scope, x) for x in vals]
+    if first_order and all(k is not None for k in known):
+        if all(np.size(o) <= EXACT_LIMIT for o in outs):
+            exact = _evaluate(eqn, known, outs)
+            if exact is not None:
+                for o, e in zip(outs, exact):
+                    scope.record_constant(o, e)
+                return
+    floating = [o for o in outs if policy.is_castable(dtype_of(o))]
+    if floating and eqn.primitive.name in MOVES_VALUES:
+        sources = [k for k, x in zip(known, vals) if policy.is_castable(dtype_of(x))]
+        if sources and all(k is not None for k in sources):
+            union = np.unique(np.concatenate([np.ravel(k).astype(np.float64) for k in sources]))
+            for o in floating:
+                scope.record_constant(o, union.astype(dtype_of(o)))
+
+
+def _evaluate(eqn, known, outs):
+    """`eqn` on the concrete inputs `known`, if it gives the outputs' types."""
+    try:
+        with jax.ensure_compile_time_eval():
+            exact = _compat.bind(eqn, *known)
+        exact = [np.asarray(e) for e in exact]
+    except Exception:  # a primitive that cannot run eagerly: nothing is known
+        return None
+    if any(e.shape != o.shape or e.dtype != o.dtype for e, o in zip(exact, outs)):
+        return None
+    return exact
+
+
+def copy(source, target, outer, inner) -> None:
+    """Records in scope `target` what scope `source` knows of the values `outer`,
+    for the values `inner` standing for them in a nested trace."""
+    for x, y in zip(outer, inner):
+        known = values(source, x)
+        if known is not None and not is_concrete(y):
+            target.record_constant(y, known)
+
+
+def fits(scope, x, dtype, selection: bool = False) -> bool:
+    """Whether a weak value's known values are normal numbers (or 0, inf, NaN)
+    in `dtype`: what a cast to it keeps. Unknown values are taken to fit (the
+    cast saturates them, `mpjax._casting.convert`); so are finite values above
+    the range in a selection (`SELECTIONS`)."""
+    if not policy.is_castable(dtype_of(x)):
+        return True
+    known = values(scope, x)
+    if known is None:
+        return True
+    info = jnp.finfo(dtype)
+    magnitude = np.abs(np.asarray(known, np.float64))
+    finite = magnitude[np.isfinite(magnitude)]
+    small = (finite == 0) | (finite >= float(info.smallest_normal))
+    return bool(np.all(small & ((finite <= float(info.max)) | selection)))
