@@ -250,4 +250,13 @@ def _autocast_call(fun, region: Region, args, kwargs, cache=None):
     out_leaves, out_tree = jax.tree.flatten(out_shape)
     # jnp.asarray: an output that is a literal comes back a jax.Array, as from `fun`.
     outs = [jnp.asarray(ctx.scope.cast(o, s.dtype)) for o, s in zip(outs, out_leaves)]
+    # A weakly typed output (``s * 2`` of a weak `s`) stays weak, for what it meets next.
+    outs = [
+        _compat.weakly_typed(o) if s.weak_type and not _weak(o) else o
+        for o, s in zip(outs, out_leaves)
+    ]
     return jax.tree.unflatten(out_tree, outs)
+
+
+def _weak(x) -> bool:
+    return bool(getattr(x, "weak_type", False) or getattr(jax.typeof(x), "weak_type", False))

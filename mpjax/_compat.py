@@ -136,6 +136,11 @@ def convert_element_type(x, dtype):
     return jax.lax.convert_element_type(x, dtype)
 
 
+def weakly_typed(x):
+    """`x`, weakly typed (as ``s * 2`` of a weak `s`): jax.lax has no public way."""
+    return jax.lax.convert_element_type_p.bind(x, new_dtype=x.dtype, weak_type=True, sharding=None)
+
+
 @contextlib.contextmanager
 def equation_context(eqn):
     """Binds under `eqn`'s user traceback and name scope.

@@ -35,7 +35,9 @@ class TraceCache:
                     (x.shape, x.dtype, getattr(x, "weak_type", False), getattr(x, "sharding", None))
                 )
             else:
-                statics.append((type(x), x))  # 1, 1.0 and True trace differently
+                # 1, 1.0 and True trace differently, and so do 0.0 and -0.0
+                # (equal, but ``x / s`` is inf for one, -inf for the other).
+                statics.append((type(x), x.hex() if isinstance(x, float) else x))
         key = (treedef, _compat.trace_context(), tuple(arrays), tuple(statics))
         try:
             hash(key)

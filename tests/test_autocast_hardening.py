@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import F32, all_eqns, rel_tol
+from conftest import F16, F32, all_eqns, rel_tol
 
 import mpjax
 
@@ -186,6 +186,26 @@ def test_nnx_split_state_through_autocast(jit):
         np.testing.assert_allclose(s, r, rtol=1e-2, atol=1e-3)
 
 
+# --- weakly typed outputs stay weak -----------------------------------------------
+
+
+def test_weakly_typed_outputs_stay_weak():
+    # A schedule value built from Python floats is weak; what autocast returns
+    # from it must promote as plain JAX's does (float16 * weak float32 = float16).
+    def f(s, x):
+        return s * 2, x * 2, s * x, jnp.sum(x) * s
+
+    s, x = jnp.asarray(3.0), jnp.ones(3)
+    want = f(s, x)
+    assert [o.weak_type for o in want] == [True, False, False, False]
+    for g in (mpjax.autocast(f), jax.jit(mpjax.autocast(f))):
+        got = g(s, x)
+        assert [o.weak_type for o in got] == [o.weak_type for o in want]
+        assert [(jnp.ones(3, jnp.float16) * o).dtype for o in got] == [F16, F32, F32, F32]
+    batched = jax.vmap(mpjax.autocast(f), in_axes=(None, 0))(s, jnp.ones((2, 3)))
+    assert batched[0].weak_type
+
+
 # --- eager calls trace once per argument signature ---------------------------------
 
 
@@ -221,6 +241,17 @@ def test_eager_calls_trace_once_per_signature():
     assert len(calls) == 5
     g(x[:2], w), g(x, w, scale=2.0)
     assert len(calls) == 5
+
+
+def test_eager_cache_tells_signed_zeros_and_nan_apart():
+    f, calls = _counting(lambda x, s: x / s)
+    g = mpjax.autocast(f)
+    x = jnp.ones(2)
+    for s in (0.0, -0.0, 0.0, -0.0):
+        np.testing.assert_array_equal(g(x, s), x / s)
+    assert len(calls) == 2
+    assert np.isnan(g(x, float("nan"))).all() and np.isnan(g(x, float("nan"))).all()
+    assert len(calls) == 3  # one NaN signature, whatever the NaN object
 
 
 def test_eager_cache_is_bounded_and_skips_unhashable_statics():
