@@ -94,6 +94,7 @@ AS_RECEIVED = _table(Rule.AS_RECEIVED, [
     "slice", "dynamic_slice", "gather", "copy", "copy_p", "split",
     "sharding_constraint", "device_put", "mesh_cast", "reshard", "pvary",
     "optimization_barrier", "stop_gradient", "reduce_precision", "iota",
+    "name",  # jax.ad_checkpoint.checkpoint_name
     # elementwise, bounded or exact in any precision
     "neg", "abs", "sign", "floor", "ceil", "round", "is_finite", "sqrt", "cbrt",
     "tanh", "logistic", "sin", "cos", "atan", "asinh", "acosh", "atanh",
@@ -128,7 +129,8 @@ FLOAT32_ACCUMULATOR = frozenset({"dot_general"})
 # into the derivatives of primitives that do no arithmetic themselves: the
 # transpose of a broadcast is a reduce_sum, of a gather a scatter-add, of an
 # all_gather a psum_scatter; the JVP of reduce_max counts its ties with a
-# reduce_sum, that of a max-pool transposes to select_and_scatter_add. And a few
+# reduce_sum, that of a max-pool transposes to select_and_scatter_add, that of
+# cummax is an associative scan whose transpose adds cotangents in a tree. And a few
 # primitives sum in their forward pass yet hand on the dtype they receive. When
 # the policy runs one of these on 16-bit values, it runs at float32 instead, on
 # the same values, and its result is rounded back (`first_order._float32_sums`).
@@ -139,7 +141,7 @@ FLOAT32_ACCUMULATOR = frozenset({"dot_general"})
 SUMMED_BY_AUTODIFF = frozenset({
     "broadcast_in_dim", "tile", "pad", "gather", "scatter", "scatter-max", "scatter-min",
     "reduce_max", "reduce_min", "reduce_window_max", "reduce_window_min",
-    "select_and_gather_add", "sort", "top_k", "approx_top_k",
+    "cummax", "cummin", "select_and_gather_add", "sort", "top_k", "approx_top_k",
     "all_gather", "pvary", "pbroadcast",
 })
 SUMMING = frozenset({
@@ -181,7 +183,7 @@ POINTWISE = frozenset({
 # matrix product is rounded by the product anyway.
 LAYOUT = frozenset({
     "reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "slice",
-    "rev", "copy", "copy_p", "sharding_constraint", "split", "concatenate",
+    "rev", "copy", "copy_p", "sharding_constraint", "split", "concatenate", "name",
 })
 # fmt: on
 

@@ -348,3 +348,22 @@ def test_scan_and_map_over_zero_steps():
         got, want = jax.jit(mpjax.autocast(fun))(*args), fun(*args)
         chex.assert_trees_all_equal(got, want)
         chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+
+
+def test_checkpoint_name_keeps_the_named_value_16_bit():
+    # A remat policy saving a named activation keeps it as the policy computed it.
+    from jax.ad_checkpoint import checkpoint_name
+
+    def f(w, x):
+        h = checkpoint_name(jnp.sin(x @ w), "h")
+        return jnp.sum((h @ w) ** 2)
+
+    w, x = _w(16, 16), _w(8, 16, seed=1)
+    (name,) = _eqns(mpjax.autocast(f), w, x, name="name")
+    assert name.invars[0].aval.dtype == name.outvars[0].aval.dtype == F16
+    policy = jax.checkpoint_policies.save_only_these_names("h")
+    remat = mpjax.autocast(jax.checkpoint(f, policy=policy))
+    vjp = jax.make_jaxpr(lambda w, x: jax.vjp(remat, w, x)[1])(w, x).jaxpr
+    saved = [v.aval for v in vjp.outvars if v not in vjp.invars and v.aval.shape == (8, 16)]
+    assert [a.dtype for a in saved] == [F16]  # `h`, saved as computed
+    np.testing.assert_allclose(jax.grad(remat)(w, x), jax.grad(f)(w, x), rtol=5e-2, atol=1e-2)
