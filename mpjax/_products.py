@@ -17,6 +17,9 @@ The product takes its operands already cast (a cast made once per value and
 hoisted out of loops by the interpreter) and, beside them, the float32 parameters
 they were cast from: a parameter's tangent is taken from the parameter, the
 cast's is ignored (it is the same tangent, rounded).
+
+Two predicates say where the user fixed a product's precision, which the policy
+then keeps (`runs_as_written`, `explicit_result_type`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import numpy as np
 from jax import lax
 
 from mpjax import _compat
-from mpjax._casting import F32, convert
+from mpjax import policy
+from mpjax._casting import F32, convert, dtype_of
 
 
 RECAST_SCOPE = "mpjax_recast"
@@ -147,3 +151,38 @@ def _ranges_like(*groups):
     for group in groups:
         yield tuple(range(start, start + len(group)))
         start += len(group)
+
+
+def runs_as_written(eqn, vals) -> bool:
+    """Whether a product keeps its inputs' precision. float64 is never cast, so a
+    product with a float64 operand runs in float64 whatever autocast does:
+    rounding its float32 operand to 16 bits would only lose precision. And a
+    product given ``precision=HIGHEST`` or a dot algorithm was told how precise
+    to be by the user, unless `jax.default_matmul_precision` (which writes its
+    precision into every product) told all of them, as torch's autocast
+    overrides ``allow_tf32``."""
+    precision = eqn.params.get("precision")
+    given = precision if isinstance(precision, tuple) else (precision,)
+    return any(dtype_of(x) == np.float64 for x in vals) or any(map(_asks_precision, given))
+
+
+def _asks_precision(p) -> bool:
+    if jax.config.jax_default_matmul_precision is not None:
+        return False
+    if p is None or isinstance(p, jax.lax.Precision):
+        return p == jax.lax.Precision.HIGHEST
+    return getattr(p, "name", None) != "DEFAULT"  # a DotAlgorithmPreset
+
+
+def explicit_result_type(eqn) -> bool:
+    """Whether a product's `preferred_element_type` was asked for by the user.
+
+    jnp sets it to the inputs' promoted dtype, which autocast replaces by the low
+    dtype. Any other value (float16 operands accumulated into a float32 result)
+    was written explicitly, and is kept: the operands still go to the low dtype.
+    """
+    preferred = eqn.params.get("preferred_element_type")
+    if preferred is None or not policy.is_castable(preferred):
+        return False
+    default = policy.widest(v.aval.dtype for v in eqn.invars[:2])
+    return np.dtype(preferred) != default

@@ -68,9 +68,7 @@ def policy_rule(ctx, eqn, vals, weak):
         return _convert_rule(ctx, eqn, vals, weak)
     lean = ctx.region.lean
     rule = Rule.ORIGINAL if low is None else policy.rule_for(eqn.primitive.name, lean=lean)
-    if rule is Rule.LOW and any(dtype_of(x) == np.float64 for x in vals):
-        # float64 is never cast, so the product runs in float64 whatever autocast
-        # does: rounding its float32 operand to 16 bits would only lose precision.
+    if rule is Rule.LOW and _products.runs_as_written(eqn, vals):
         rule = Rule.ORIGINAL
     if lean and rule is Rule.FLOAT32 and any(dtype_of(x) in policy.LOW_DTYPES for x in vals):
         return _float32_inside(ctx, eqn, vals, low)
@@ -92,7 +90,7 @@ def policy_rule(ctx, eqn, vals, weak):
     args = _cast_all(ctx, vals, targets, weak)
     updates = {}
     if rule is Rule.LOW:
-        if _explicit_result_type(eqn):
+        if _products.explicit_result_type(eqn):
             return _compat.bind(eqn, *args)
         if _float32_accumulator(ctx, eqn, vals):
             return _low_product_float32_accumulator(ctx, eqn, vals, args, low)
@@ -103,20 +101,6 @@ def policy_rule(ctx, eqn, vals, weak):
         updates.update(_compat.retype_scalar_jaxpr(eqn.params, dtype_of(args[0])))
     outs = _compat.bind(eqn, *args, **updates)
     return fusions.constant_broadcast(ctx, eqn, args, outs)
-
-
-def _explicit_result_type(eqn) -> bool:
-    """Whether a product's `preferred_element_type` was asked for by the user.
-
-    jnp sets it to the inputs' promoted dtype, which autocast replaces by the low
-    dtype. Any other value (float16 operands accumulated into a float32 result)
-    was written explicitly, and is kept: the operands still go to the low dtype.
-    """
-    preferred = eqn.params.get("preferred_element_type")
-    if preferred is None or not policy.is_castable(preferred):
-        return False
-    default = policy.widest(v.aval.dtype for v in eqn.invars[:2])
-    return np.dtype(preferred) != default
 
 
 def _float32_accumulator(ctx, eqn, vals) -> bool:

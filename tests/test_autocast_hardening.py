@@ -2,6 +2,7 @@
 explicit accumulation dtypes, Flax NNX's functional API, repeated eager calls,
 deeply nested loops, custom_vmap."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,6 +136,29 @@ def test_explicit_float32_accumulation_of_a_conv_is_kept():
     out = jax.jit(mpjax.autocast(f))(x, k)
     assert out.dtype == F32
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+
+
+# --- precision=HIGHEST on a product is kept ----------------------------------------
+
+
+def test_explicit_highest_precision_product_runs_as_written():
+    x, w = jnp.full((2, 3), 1.0 + 2**-12), jnp.ones((3, 2))
+    precise = lambda w, x: jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
+    algorithm = lambda w, x: jnp.dot(x, w, precision=jax.lax.DotAlgorithmPreset.F32_F32_F32)
+    for f in (precise, algorithm):
+        np.testing.assert_array_equal(jax.jit(mpjax.autocast(f))(w, x), f(w, x))
+        assert mpjax.audit(mpjax.autocast(f), w, x).casts_inserted == 0
+        grads = jax.grad(lambda w, x: mpjax.autocast(f)(w, x).sum(), (0, 1))(w, x)
+        chex.assert_trees_all_equal(grads, jax.grad(lambda w, x: f(w, x).sum(), (0, 1))(w, x))
+    # jax.default_matmul_precision sets every product's precision; autocast still
+    # runs them in 16 bits, as torch.autocast does under allow_tf32=False.
+    with jax.default_matmul_precision("highest"):
+        (dot,) = [
+            e
+            for e in all_eqns(jax.make_jaxpr(mpjax.autocast(lambda w, x: x @ w))(w, x))
+            if e.primitive.name == "dot_general"
+        ]
+    assert dot.invars[0].aval.dtype == F16
 
 
 # --- Flax NNX's functional API: nnx.State arguments and outputs are pytrees --------
