@@ -13,6 +13,8 @@ reference's tools, which then show the module: hence the underscore.)
 from __future__ import annotations
 
 import functools
+import inspect
+import re
 from typing import Callable
 
 import jax
@@ -155,11 +157,16 @@ def _check_options(dtype, enabled, policy, reduce_dtype) -> tuple[np.dtype, bool
 
 def _check_fun(fun) -> None:
     if isinstance(fun, type) and policy_module.is_castable(fun):
-        raise TypeError(
-            f"autocast(fun): got the dtype {np.dtype(fun).name} as the function; pass the "
-            f"dtype by keyword: autocast(dtype=jnp.{np.dtype(fun).name}) or "
-            f"autocast(fun, dtype=jnp.{np.dtype(fun).name})."
+        name = np.dtype(fun).name
+        fix = (
+            f"pass the dtype by keyword: autocast(dtype=jnp.{name}) or "
+            f"autocast(fun, dtype=jnp.{name})"
+            if np.dtype(fun) in policy_module.LOW_DTYPES
+            else "autocast runs products in jnp.float16 or jnp.bfloat16 (by keyword: "
+            "autocast(fun, dtype=jnp.bfloat16)); to run a region in float32, use "
+            "autocast(fun, enabled=False)"
         )
+        raise TypeError(f"autocast(fun): got the dtype {name} as the function; {fix}.")
     if not callable(fun):
         raise TypeError(
             f"autocast(fun): fun must be callable, got {type(fun).__name__}. Wrap the "
@@ -216,15 +223,26 @@ def trace_arrays(fun, args, kwargs, cache: _trace_cache.TraceCache | None = None
     if hit is not None:
         return (*hit, dynamic_leaves)
 
+    returned = []  # the output's structure, with its non-array leaves
+
+    @functools.wraps(fun)  # JAX's errors then name `fun`, not this wrapper
     def flat_fun(*dynamic_leaves):
         full = list(leaves)
         for i, x in zip(dynamic, dynamic_leaves):
             full[i] = x
         a, k = jax.tree.unflatten(treedef, full)
-        return fun(*a, **k)
+        out_leaves, out_tree = jax.tree.flatten(fun(*a, **k))
+        # Arrays are the program's outputs; anything else (a string tag) is
+        # handed back as it is, as `fun` returns it without autocast.
+        returned[:] = [out_tree, [None if _is_value(x) else x for x in out_leaves]]
+        return [x for x in out_leaves if _is_value(x)]
+
+    # JAX's errors name `fun` and its line, but not its parameters: this takes
+    # the array leaves only, not `fun`'s arguments.
+    flat_fun.__signature__ = inspect.signature(lambda *array_arguments: None)
 
     try:
-        closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dynamic_leaves)
+        closed, shapes = jax.make_jaxpr(flat_fun, return_shape=True)(*dynamic_leaves)
     except Exception as e:
         # Python control flow or shapes depending on an array: say how to fix it.
         if isinstance(
@@ -234,9 +252,12 @@ def trace_arrays(fun, args, kwargs, cache: _trace_cache.TraceCache | None = None
                 jax.errors.TracerBoolConversionError,
                 jax.errors.TracerIntegerConversionError,
             ),
-        ) or "Traced<" in str(e):
+        ) or re.search(r"Traced<|Tracer\(", str(e)):
             e.add_note(_STATIC_HINT)
         raise
+    out_tree, statics = returned
+    shapes = iter(shapes)
+    out_shape = jax.tree.unflatten(out_tree, [next(shapes) if x is None else x for x in statics])
     if cache is not None:
         cache.put(key, closed, out_shape)
     return closed, out_shape, dynamic_leaves
@@ -248,14 +269,24 @@ def _autocast_call(fun, region: Region, args, kwargs, cache=None):
     ctx = Context(region, Scope(), memo={})
     outs, _ = eval_jaxpr(ctx, jaxpr, consts, dynamic_leaves, [False] * len(dynamic_leaves))
     out_leaves, out_tree = jax.tree.flatten(out_shape)
+    outs = iter(outs)
+    return jax.tree.unflatten(
+        out_tree,
+        [_output(ctx, next(outs), s) if _is_value(s) else s for s in out_leaves],
+    )
+
+
+def _output(ctx: Context, out, shape):
+    """An output at the dtype `fun` returns it in (`shape`'s)."""
     # jnp.asarray: an output that is a literal comes back a jax.Array, as from `fun`.
-    outs = [jnp.asarray(ctx.scope.cast(o, s.dtype)) for o, s in zip(outs, out_leaves)]
+    out = jnp.asarray(ctx.scope.cast(out, shape.dtype))
     # A weakly typed output (``s * 2`` of a weak `s`) stays weak, for what it meets next.
-    outs = [
-        _compat.weakly_typed(o) if s.weak_type and not _weak(o) else o
-        for o, s in zip(outs, out_leaves)
-    ]
-    return jax.tree.unflatten(out_tree, outs)
+    return _compat.weakly_typed(out) if shape.weak_type and not _weak(out) else out
+
+
+def _is_value(x) -> bool:
+    """Whether `x` is what a JAX program can return (its shape, once traced)."""
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, int, float, complex))
 
 
 def _weak(x) -> bool:

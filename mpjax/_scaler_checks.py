@@ -16,6 +16,20 @@ import numpy as np
 from mpjax._float32 import MIN_NORMAL_F32
 from mpjax._scaler_update import ScalerConfig
 
+def check_inner(fn: str, inner) -> None:
+    """`inner` is an optax transformation, not the function that makes one."""
+    if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+        name = getattr(inner, "__name__", type(inner).__name__)
+        hint = (
+            f"it makes one: pass {fn}({name}(...)), not {fn}({name})"
+            if callable(inner)
+            else "pass an optimizer such as optax.adam(1e-3)"
+        )
+        raise TypeError(
+            f"{fn}(inner): inner must be an optax GradientTransformation, got {name!r}; {hint}."
+        )
+
+
 # The default floor of the scale: the smallest normal float16. See `grad_scaler`.
 DEFAULT_MIN_SCALE = 2.0**-14
 _INT32_MAX = int(np.iinfo(np.int32).max)

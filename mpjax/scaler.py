@@ -60,6 +60,7 @@ from mpjax._scaler_checks import (
     DEFAULT_MIN_SCALE,
     check_accumulation,
     check_bool,
+    check_inner,
     check_int,
     check_no_float16,
     check_static_scale,
@@ -168,6 +169,7 @@ def grad_scaler(
       >>> updates["w"], get_scale(opt_state)  # skipped; the scale backs off
       (Array([0., 0., 0.], dtype=float32), Array(512., dtype=float32))
     """
+    check_inner("grad_scaler", inner)
     settings = (init_scale, growth_factor, backoff_factor, growth_interval, min_scale, enabled)
     extra = (accumulation_steps, accumulation, axis_name, check_updates)
     return _loss_scaler(inner, grad_scaler_config(*settings, *extra))
@@ -215,6 +217,7 @@ def static_scaler(
       >>> updates, bool(state.last_step_skipped)
       (Array([0., 0.], dtype=float32), True)
     """
+    check_inner("static_scaler", inner)
     scale = check_static_scale(scale)
     steps = check_int("static_scaler", "accumulation_steps", accumulation_steps)
     config = ScalerConfig(
@@ -261,6 +264,7 @@ def noop_scaler(
       >>> get_scale(state)
       Array(1., dtype=float32)
     """
+    check_inner("noop_scaler", inner)
     return grad_scaler(
         inner, enabled=False, accumulation_steps=accumulation_steps, accumulation=accumulation
     )

@@ -10,6 +10,10 @@ remaining inputs.
 |------------------------------------------------------------------|--------------------------------------------------------------------|
 | ``autocast(3)``, ``autocast("loss")``, ``autocast(array)``       | TypeError at wrap time: "autocast(fun): fun must be callable, got int. Wrap the function ... or use @autocast(dtype=...)" |
 | ``autocast(jnp.float16)`` (dtype positionally, the torch habit)  | TypeError at wrap time: "autocast(fun): got the dtype float16 as the function; pass the dtype by keyword: autocast(dtype=jnp.float16)" |
+| ``autocast(jnp.float32)``                                        | TypeError at wrap time, pointing to ``dtype=jnp.bfloat16`` and to ``enabled=False`` for a float32 region |
+| ``grad_scaler(optax.adamw)`` (the factory, not an optimizer), or any non-optimizer ``inner`` | TypeError at wrap time: "grad_scaler(inner): inner must be an optax GradientTransformation, got 'adamw'; it makes one: pass grad_scaler(adamw(...))" |
+| ``fun`` returning non-arrays beside arrays (a string tag)        | handed back as returned, as without autocast |
+| an array used as a shape or slice bound                          | JAX's error, naming ``fun`` (not an mpjax wrapper), with mpjax's note on static arguments |
 | ``audit(3)``, ``audit(array)``                                   | TypeError: "audit(fun, ...): fun must be callable, got int" |
 | ``autocast(f, dtype=jnp.int8 / jnp.float64 / jnp.float32 / "half-ish")``, and as ``@autocast(dtype=...)`` | ValueError at wrap time naming ``dtype``, the two valid dtypes, and ``enabled=False`` for float32 regions; dtype names ``"float16"``, ``"bfloat16"`` are accepted |
 | ``autocast(f, reduce_dtype=...)`` other than ``jnp.float32`` or the autocast dtype (``None``, bfloat16 under float16, float64, int8, an unknown name), and as ``@autocast(reduce_dtype=...)`` | ValueError at wrap time naming ``reduce_dtype`` and its two choices, with what each does |
@@ -69,6 +73,55 @@ def test_dtype_passed_positionally_is_refused_at_wrap_time():
     # float16 *constructor*, and @autocast(jnp.bfloat16) breaks the function.
     with pytest.raises(TypeError, match=r"dtype="):
         mpjax.autocast(jnp.bfloat16)
+
+
+def test_float32_passed_as_the_function_points_to_a_fix_that_works():
+    # The advice must not be autocast(dtype=jnp.float32), which is refused.
+    with pytest.raises(TypeError) as info:
+        mpjax.autocast(jnp.float32)
+    message = str(info.value)
+    assert "enabled=False" in message and "dtype=jnp.float32" not in message
+    mpjax.autocast(lambda x: x, enabled=False)  # what it advises for float32
+    mpjax.autocast(lambda x: x, dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("make", ["grad_scaler", "static_scaler", "noop_scaler"])
+def test_scaler_given_an_optimizer_factory_says_to_call_it(make):
+    build = {
+        "grad_scaler": mpjax.grad_scaler,
+        "static_scaler": lambda inner: mpjax.static_scaler(inner, 128.0),
+        "noop_scaler": mpjax.noop_scaler,
+    }[make]
+    with pytest.raises(TypeError, match=rf"{make}\(inner\): .*pass {make}\(adamw\(\.\.\.\)\)"):
+        build(optax.adamw)
+    with pytest.raises(TypeError, match=rf"{make}\(inner\): .*got 'int'"):
+        build(3)
+
+
+def test_non_array_outputs_come_back_as_returned():
+    # As without autocast: a tag or a config beside the loss is handed back.
+    def f(x):
+        return x.sum(), "tag", {"n": 2, "none": None}
+
+    x = jnp.ones((2, 3))
+    got, want = mpjax.autocast(f)(x), f(x)
+    assert got[1:] == want[1:]
+    np.testing.assert_array_equal(got[0], want[0])
+    grad = jax.grad(lambda x: mpjax.autocast(f)(x)[0])(x)
+    np.testing.assert_array_equal(grad, jnp.ones((2, 3)))
+
+
+def test_array_used_as_a_shape_names_the_users_function_and_carries_the_hint():
+    def loss(flag, params, n):
+        return params["a"].sum() * jnp.ones(n) if flag else 0.0
+
+    with pytest.raises(TypeError) as info:
+        mpjax.autocast(loss)(True, {"a": jnp.ones(2)}, jnp.int32(3))
+    assert "the function loss at" in str(info.value) and "flat_fun" not in str(info.value)
+    assert HINT in "".join(info.value.__notes__)
+    with pytest.raises(IndexError) as info:  # a slice bound from an array
+        mpjax.autocast(lambda n, a: a[:, :n])(jnp.int32(2), jnp.ones((2, 4)))
+    assert HINT in "".join(info.value.__notes__)
 
 
 @pytest.mark.parametrize("fun", [3, jnp.ones(2)], ids=["int", "array"])
