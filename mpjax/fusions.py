@@ -38,7 +38,7 @@ groups in a jaxpr, before it is evaluated:
 * a *pointwise function*: elementwise primitives computing one value from one
   activation and literals alone, with a float32-list primitive among them, whose
   result only matrix products read (an activation function between two layers).
-  On a 16-bit activation, `pointwise` evaluates it in float32 and rounds the
+  On a 16-bit activation, `mpjax._pointwise` evaluates it in float32 and rounds the
   result once, which the product would have done anyway; it is rematerialized,
   so the backward pass keeps the 16-bit activation rather than float32
   intermediates.
@@ -328,30 +328,6 @@ def _product_operand(eqn, vals):
     """The operand of a bias add with the result's shape (the product)."""
     shape = eqn.outvars[0].aval.shape
     return next(x for x, v in zip(vals, eqn.invars) if v.aval.shape == shape)
-
-
-def pointwise(chain: Chain, eqns, source_value):
-    """The chain evaluated at float32 on a 16-bit `source_value`, its result
-    rounded to that dtype; rematerialized for the backward pass. The checkpoint
-    bars common-subexpression elimination: in a jitted step XLA would otherwise
-    merge the recomputation with the forward chain and keep its float32
-    intermediates (a GELU's tanh) after all."""
-    low = dtype_of(source_value)
-
-    def function(x):
-        env = {chain.source: convert(x, F32, False)}
-
-        def read(v):
-            if _is_var(v):
-                return env[v]
-            return np.asarray(v.val, dtype=v.aval.dtype)
-
-        for i in chain.eqns:
-            eqn = eqns[i]
-            env.update(zip(eqn.outvars, _compat.bind(eqn, *map(read, eqn.invars))))
-        return convert(env[chain.out], low, False)
-
-    return jax.checkpoint(function)(source_value)
 
 
 def keeps_no_broadcast(prim, *avals, **params) -> bool:

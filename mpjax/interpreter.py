@@ -28,6 +28,7 @@ import numpy as np
 
 from mpjax import _compat
 from mpjax import _constants
+from mpjax import _pointwise
 from mpjax import first_order
 from mpjax import fusions
 from mpjax._casting import convert, dtype_of
@@ -233,7 +234,7 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
         if chain is not None and _fuses(ctx, chain, jaxpr.eqns, env):
             source, source_weak = env[chain.source]
             with _compat.equation_context(eqn):
-                env[chain.out] = (fusions.pointwise(chain, jaxpr.eqns, source), source_weak)
+                env[chain.out] = (_pointwise.pointwise(chain, jaxpr.eqns, source), source_weak)
             continue
         for j in chain.eqns if chain is not None else (i,):
             rule = None
