@@ -286,7 +286,9 @@ def _output(ctx: Context, out, shape):
 
 def _is_value(x) -> bool:
     """Whether `x` is what a JAX program can return (its shape, once traced)."""
-    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, int, float, complex))
+    return isinstance(
+        x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, int, float, complex)
+    )
 
 
 def _weak(x) -> bool:

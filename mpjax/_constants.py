@@ -48,8 +48,9 @@ def values(scope, x):
 
 
 def propagate(scope, eqn, vals, outs, first_order: bool) -> None:
-    """Records, in `scope`, what is known of the floating outputs of `eqn`, an
-    equation on weak inputs `vals`."""
+    """Records, in `scope`, what is known of the outputs `outs` of `eqn`, an
+    equation on weak inputs `vals`: all of them exactly, or its floating ones'
+    set of values."""
     if all(is_concrete(o) for o in outs):
         return
     known = [values(scope, x) for x in vals]

@@ -16,6 +16,7 @@ import numpy as np
 from mpjax._float32 import MIN_NORMAL_F32
 from mpjax._scaler_update import ScalerConfig
 
+
 def check_inner(fn: str, inner) -> None:
     """`inner` is an optax transformation, not the function that makes one."""
     if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):

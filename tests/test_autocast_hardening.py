@@ -66,7 +66,9 @@ def test_a_mask_fill_saturates_but_infinities_and_nan_stay(low):
     np.testing.assert_array_equal(out[:3], [saturated, -np.inf, np.inf])
     assert np.isnan(out[3])
     eqns = all_eqns(jax.make_jaxpr(mpjax.autocast(f, dtype=low))(x, w))
-    selects = [e for e in eqns if e.primitive.name == "select_n" and e.outvars[0].aval.shape == (4,)]
+    selects = [
+        e for e in eqns if e.primitive.name == "select_n" and e.outvars[0].aval.shape == (4,)
+    ]
     assert selects[-1].outvars[0].aval.dtype == low
 
 
