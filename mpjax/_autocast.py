@@ -281,15 +281,9 @@ def _output(ctx: Context, out, shape):
     # jnp.asarray: an output that is a literal comes back a jax.Array, as from `fun`.
     out = jnp.asarray(ctx.scope.cast(out, shape.dtype))
     # A weakly typed output (``s * 2`` of a weak `s`) stays weak, for what it meets next.
-    return _compat.weakly_typed(out) if shape.weak_type and not _weak(out) else out
+    return _compat.weakly_typed(out) if shape.weak_type and not jax.typeof(out).weak_type else out
 
 
 def _is_value(x) -> bool:
     """Whether `x` is what a JAX program can return (its shape, once traced)."""
-    return isinstance(
-        x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, int, float, complex)
-    )
-
-
-def _weak(x) -> bool:
-    return bool(getattr(x, "weak_type", False) or getattr(jax.typeof(x), "weak_type", False))
+    return _is_array(x) or isinstance(x, (jax.ShapeDtypeStruct, int, float, complex))

@@ -18,13 +18,18 @@ def dtype_of(x):
     return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
+def is_concrete(x) -> bool:
+    """Whether `x` is a value known at trace time (a literal), not a tracer."""
+    return isinstance(x, (np.ndarray, np.generic))
+
+
 def convert(x, dtype: np.dtype, saturate: bool):
     """Casts `x`; a saturating cast maps finite values out of range to +-max.
 
     Infinities and NaN pass through a saturating cast unchanged: a ``-inf`` the
     user wrote (a mask) means -inf, not -65504.
     """
-    numpy_value = isinstance(x, (np.ndarray, np.generic))
+    numpy_value = is_concrete(x)
     if saturate and jnp.finfo(dtype).max < jnp.finfo(dtype_of(x)).max:
         hi = jnp.finfo(dtype).max.astype(dtype_of(x))
         if numpy_value:  # a literal

@@ -18,7 +18,7 @@ import numpy as np
 
 from mpjax import _compat
 from mpjax import policy
-from mpjax._casting import dtype_of
+from mpjax._casting import dtype_of, is_concrete
 
 EXACT_LIMIT = 1024
 """Elements up to which a computed constant is evaluated at trace time."""
@@ -33,10 +33,6 @@ SELECTIONS = frozenset({"select_n", "max", "min", "clamp"})
 """Where a constant is chosen, not computed with: a finite value above the low
 dtype's range saturates to its largest (a mask's ``-1e9`` is -65504 in float16),
 keeping the selection in 16 bits."""
-
-
-def is_concrete(x) -> bool:
-    return isinstance(x, (np.ndarray, np.generic))
 
 
 def values(scope, x):

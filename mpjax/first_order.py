@@ -22,7 +22,7 @@ from mpjax import _constants
 from mpjax import _products
 from mpjax import fusions
 from mpjax import policy
-from mpjax._casting import F32, convert, dtype_of
+from mpjax._casting import F32, convert, dtype_of, is_concrete
 from mpjax.policy import Rule
 
 
@@ -257,7 +257,7 @@ def _derivatives_sum_nothing(eqn, vals, weak) -> bool:
     that only adds axes of size 1, a pad with a constant padding value: their
     derivatives sum nothing."""
     if eqn.primitive.name in policy.SUMMED_BY_AUTODIFF and all(
-        w or isinstance(x, (np.ndarray, np.generic))
+        w or is_concrete(x)
         for x, w in zip(vals, weak)
         if policy.is_castable(dtype_of(x))
     ):
@@ -265,7 +265,7 @@ def _derivatives_sum_nothing(eqn, vals, weak) -> bool:
     if eqn.primitive.name == "broadcast_in_dim":
         return np.size(vals[0]) == np.prod(eqn.outvars[0].aval.shape, dtype=int)
     if eqn.primitive.name == "pad":  # only the padding value's cotangent is a sum
-        return weak[1] or isinstance(vals[1], (np.ndarray, np.generic))
+        return weak[1] or is_concrete(vals[1])
     return False
 
 
@@ -290,7 +290,7 @@ def _broadcast_in_float32(ctx, eqn, vals, targets, weak):
     widen = {}  # operand index -> the 16-bit dtype it is broadcast to
     for i, (x, t, w) in enumerate(zip(vals, targets, weak)):
         runs_in = t if t is not None else dtype_of(x)
-        literal = isinstance(x, (np.ndarray, np.generic))
+        literal = is_concrete(x)
         if not (w or literal or np.shape(x) == shape) and _is_low(runs_in):
             widen[i] = np.dtype(runs_in)
     if not widen:

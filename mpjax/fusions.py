@@ -55,7 +55,7 @@ import numpy as np
 from mpjax import _compat
 from mpjax import _constants
 from mpjax import policy
-from mpjax._casting import F32, convert, dtype_of
+from mpjax._casting import F32, convert, dtype_of, is_concrete
 from mpjax.policy import Rule
 
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
@@ -346,7 +346,7 @@ def select(rule, broadcasts, read, ctx, eqn, vals, weak) -> list:
     everything = [source for _, _, source, _ in redo] + list(vals)
     # Traced values go in as arguments; numpy constants stay closed over, so the
     # rule still sees them as literals.
-    traced = [i for i, x in enumerate(everything) if not _constants.is_concrete(x)]
+    traced = [i for i, x in enumerate(everything) if not is_concrete(x)]
 
     def compute(*args):
         xs = list(everything)
@@ -368,7 +368,7 @@ def constant_broadcast(ctx, eqn, args, outs) -> list:
     """`outs`; where they broadcast a constant (jnp.zeros_like, a mask's fill),
     their casts are made at the source, then broadcast: of broadcasts alone,
     which a backward pass makes again (`select`) rather than keeping."""
-    if eqn.primitive.name == "broadcast_in_dim" and _constants.is_concrete(args[0]):
+    if eqn.primitive.name == "broadcast_in_dim" and is_concrete(args[0]):
         source = args[0]
         ctx.scope.remake_with(
             outs[0], lambda dtype: _compat.bind(eqn, convert(source, dtype, True))[0]
