@@ -65,8 +65,7 @@ def emit(trace, eqn, args):
 
 
 def _staged(trace, eqn, args):
-    """`args` as values of `trace`, each of the type of its variable in `eqn`, or
-    None where one is not."""
+    """`args` as values of `trace`, each of its variable's type in `eqn`, or None."""
     from jax._src.interpreters import partial_eval as pe
 
     tracers = []
@@ -84,8 +83,7 @@ def _staged(trace, eqn, args):
 
 
 def _transformed(x) -> bool:
-    """Whether `x` is seen by a transformation (grad, jvp, vmap), not only staged
-    out by jit or make_jaxpr."""
+    """Whether a transformation (grad, jvp, vmap) sees `x`, not only jit's staging."""
     return isinstance(x, jax.core.Tracer) and type(x).__name__ != "DynamicJaxprTracer"
 
 
@@ -263,12 +261,15 @@ def trace_context():
     return config.trace_context()
 
 
+def varying_axes(aval) -> tuple:
+    """The manual mesh axes (inside `shard_map`) that values of `aval` vary over."""
+    return tuple(getattr(getattr(aval, "manual_axis_type", None), "varying", ()))
+
+
 def zeros(aval, dtype):
-    """Zeros of `aval`'s shape at `dtype`, varying over the same manual mesh axes
-    (inside `shard_map`), so that they combine with the values `aval` stood for."""
-    out = jax.numpy.zeros(aval.shape, dtype)
-    varying = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
-    return jax.lax.pcast(out, tuple(varying), to="varying") if varying else out
+    """Zeros of `aval`'s shape at `dtype`, varying as `aval` does (`varying_axes`)."""
+    out, varying = jax.numpy.zeros(aval.shape, dtype), varying_axes(aval)
+    return jax.lax.pcast(out, varying, to="varying") if varying else out
 
 
 def abstract(x, dtype, slice_leading: bool = False):

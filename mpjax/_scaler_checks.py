@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpjax import _compat
 from mpjax._float32 import MIN_NORMAL_F32
 from mpjax._scaler_update import ScalerConfig
 
@@ -50,6 +51,7 @@ def grad_scaler_config(
 ) -> ScalerConfig:
     """`grad_scaler`'s arguments, checked."""
     name = "grad_scaler"
+    enabled = check_bool(name, "enabled", enabled)
     init_scale = check_number(
         name, "init_scale", init_scale, "a finite number > 0", lambda v: 0 < v < math.inf
     )
@@ -80,7 +82,7 @@ def grad_scaler_config(
         growth_interval=growth_interval,
         min_scale=min_scale,
         dynamic=True,
-        enabled=bool(enabled),
+        enabled=enabled,
         accumulation_steps=(steps := check_int(name, "accumulation_steps", accumulation_steps)),
         accumulation=check_accumulation(name, steps, accumulation),
         axis_name=axis_name,
@@ -89,7 +91,8 @@ def grad_scaler_config(
 
 
 def check_bool(fn: str, name: str, value) -> bool:
-    """A flag: True or False (numpy's bools too), never a truthy string or array."""
+    """A flag: True or False (numpy's bools too), never a truthy string or number."""
+    value = _scalar(fn, name, value)
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
     raise ValueError(f"{fn}: {name} must be True or False, got {value!r}.")
@@ -158,8 +161,22 @@ def check_fits_float32(fn: str, name: str, value: float) -> None:
         )
 
 
+def _scalar(fn: str, name: str, value):
+    """A 0-d NumPy or JAX array as the NumPy scalar it holds; anything else as is."""
+    if _compat.is_tracer(value):
+        raise ValueError(
+            f"{fn}: {name} must be a concrete number, got a traced value: the scaler's "
+            "settings are fixed when it is built. Build it outside the jitted function, "
+            "or use set_scale on the state to change the scale as training goes."
+        )
+    if isinstance(value, (jax.Array, np.ndarray)) and np.ndim(value) == 0:
+        return np.asarray(value)[()]
+    return value
+
+
 def check_number(fn: str, name: str, value, valid: str, ok) -> float:
     """`value` as a float if it is a real number (not bool) with `ok(value)`."""
+    value = _scalar(fn, name, value)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise ValueError(f"{fn}: {name} must be {valid}, got {value!r} (a {type(value).__name__}).")
     value = float(value)
@@ -170,6 +187,7 @@ def check_number(fn: str, name: str, value, valid: str, ok) -> float:
 
 def check_int(fn: str, name: str, value) -> int:
     """`value` as an int if it is an integer in [1, 2**31 - 1]."""
+    value = _scalar(fn, name, value)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise ValueError(
             f"{fn}: {name} must be an integer >= 1, got {value!r} (a {type(value).__name__})."

@@ -20,7 +20,7 @@ from jax import lax
 from mpjax import _compat, _finite, _skip
 from mpjax._skip import select as _select
 from mpjax._float32 import _mul_f32_by_f64
-from mpjax.scaler_state import SubtreeFlags, register_serialization
+from mpjax.scaler_state import DISABLED, SubtreeFlags, register_serialization
 
 
 class ScalerConfig(NamedTuple):
@@ -97,6 +97,9 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
     outputs is the one every select reads, with no negation between them.
     """
     if not config.enabled:
+        # An enabled scaler's state (a checkpoint restored with scaling off)
+        # gives its scale up here: the loss is not scaled from the next step on.
+        state = state._replace(scale=jnp.ones([], jnp.float32), growth_tracker=_disabled())
         if take is True:
             updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
             return updates, state._replace(inner_state=inner_state)
@@ -105,7 +108,17 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
             inner, drop, grads, state.inner_state, params, extra
         )
         return _zeros_where(drop, updates), state._replace(inner_state=inner_state)
-    nonfinite, nonfinite_subtrees = _nonfinite_flags(config, grads, state.nonfinite_subtrees)
+    # A disabled scaler's state (a checkpoint restored with scaling switched on)
+    # starts from init_scale, as a fresh state would: its scale of 1.0 would
+    # let float16 gradients underflow for thousands of steps of growth.
+    fresh = state.growth_tracker == DISABLED
+    state = state._replace(
+        scale=jnp.where(fresh, jnp.float32(config.init_scale), state.scale),
+        growth_tracker=jnp.maximum(state.growth_tracker, 0),
+    )
+    nonfinite, nonfinite_subtrees = _nonfinite_flags(
+        config, grads, state.nonfinite_subtrees, state.scale
+    )
     # inner's result is discarded when skipping; on zeros it computes no inf or
     # NaN (for jax_debug_nans, checkify, or a callback inside inner to stop at).
     grads = _zeros_where(nonfinite, grads)
@@ -115,7 +128,7 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
         # (adam with eps=0 on zero gradients): that step is skipped too, so
         # parameters never become non-finite. The scale is not at fault and is
         # not backed off.
-        bad_updates = _nonfinite_flags(config, updates, {})[0]
+        bad_updates = _nonfinite_flags(config, updates, {}, state.scale)[0]
         skipped = nonfinite | bad_updates
         # Selection is exact, so a skipped step leaves inner's state bit for bit.
         inner_state = _select(_either(skipped, take), state.inner_state, inner_state)
@@ -156,6 +169,10 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
     )
 
 
+def _disabled() -> jax.Array:
+    return jnp.asarray(DISABLED, jnp.int32)
+
+
 def _either(skip, take):
     """Whether inner's step is dropped: skipped, or not one to take."""
     return skip if take is True else skip | jnp.logical_not(take)
@@ -166,12 +183,14 @@ def _like(total, grads):
     return jax.tree.map(lambda t, g: t.astype(g.dtype) if _is_inexact(g) else g, total, grads)
 
 
-def _nonfinite_flags(config: ScalerConfig, tree, subtrees):
+def _nonfinite_flags(config: ScalerConfig, tree, subtrees, scale):
     """Whether any of `tree` is not finite, and for each of `subtrees` whether it is.
 
     `subtrees` is the state's `SubtreeFlags` (its names are the subtrees), or an
     empty dict for none. The leaves are checked by a few reductions
-    (`_finite.leaf_flags`), their flags combined by one more.
+    (`_finite.leaf_flags`), their flags combined by one more. `scale` is the
+    state's: inside shard_map, a check that varies where it does not needs
+    ``axis_name``.
     """
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     flat = [(path, x) for path, x in flat if _is_inexact(x)]
@@ -184,6 +203,16 @@ def _nonfinite_flags(config: ScalerConfig, tree, subtrees):
         # a segment of its own past the end, which segment_any drops.
         segments = [index.get(_subtree_name(flat[j][0], depth), len(names)) for j in order]
         by_subtree = _finite.segment_any(flags, segments, len(names))
+    lone = _lone_axes(nonfinite, scale)
+    if config.axis_name is None and lone:
+        # Each device would decide alone on a state they share: replicas drift.
+        raise ValueError(
+            "grad_scaler update: inside shard_map, the gradients differ between "
+            f"devices along the mesh axes {lone} and the scaler's state does not, so "
+            "each device would decide alone whether to skip the step. Pass axis_name "
+            "(grad_scaler(inner, axis_name=...)) to combine the finite check over "
+            "those axes, or all-reduce the gradients (lax.pmean) first."
+        )
     if config.axis_name is not None:
         # Every device must take the same branch, or replicas drift apart.
         local = [nonfinite[None]] + ([by_subtree] if subtrees else [])
@@ -192,6 +221,12 @@ def _nonfinite_flags(config: ScalerConfig, tree, subtrees):
         if subtrees:
             by_subtree = total[1:] > 0
     return nonfinite, SubtreeFlags(names, by_subtree) if subtrees else subtrees
+
+
+def _lone_axes(flag, shared) -> tuple:
+    """The shard_map axes `flag` varies along and the `shared` state does not."""
+    along = _compat.varying_axes(jax.typeof(shared))
+    return tuple(a for a in _compat.varying_axes(jax.typeof(flag)) if a not in along)
 
 
 def no_subtree_flags(params) -> SubtreeFlags | jax.Array:

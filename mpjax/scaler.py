@@ -69,6 +69,7 @@ from mpjax._scaler_checks import (
 from mpjax._scaler_update import ScalerConfig
 from mpjax.gradients import scaled_value_and_grad
 from mpjax.scaler_state import (
+    DISABLED,
     GradScalerState,
     SubtreeFlags,
     get_scale,
@@ -285,7 +286,7 @@ def _loss_scaler(inner, config: ScalerConfig) -> optax.GradientTransformationExt
             accumulator = optax.EmptyState()
         return GradScalerState(
             scale=jnp.asarray(config.init_scale, jnp.float32),
-            growth_tracker=jnp.zeros([], jnp.int32),
+            growth_tracker=jnp.asarray(0 if config.enabled else DISABLED, jnp.int32),
             skipped_steps=jnp.zeros([], jnp.int32),
             last_step_skipped=jnp.zeros([], jnp.bool_),
             micro_step=jnp.zeros([], jnp.int32),
@@ -295,6 +296,13 @@ def _loss_scaler(inner, config: ScalerConfig) -> optax.GradientTransformationExt
         )
 
     def update_fn(updates, state, params=None, **extra):
+        if isinstance(state, dict) and set(GradScalerState._fields) <= set(state):
+            raise TypeError(
+                "grad_scaler update: `state` is a dict holding the GradScalerState's "
+                "fields: a checkpoint restored without a target structure. Restore into "
+                "the structure tx.init(params) returns (flax.serialization.from_bytes("
+                "tx.init(params), data), or orbax's restore with it as target)."
+            )
         if not isinstance(state, GradScalerState):
             raise TypeError(
                 f"grad_scaler update: `state` must be the GradScalerState that this "

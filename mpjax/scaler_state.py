@@ -31,13 +31,21 @@ __all__ = [
 ]
 
 
+DISABLED = -1
+"""The growth tracker of a disabled scaler, which never counts steps."""
+
+
 class GradScalerState(NamedTuple):
     """State of `grad_scaler`, `static_scaler` and `noop_scaler`.
 
     Attributes:
       scale: float32 scalar, the factor the loss is multiplied by.
       growth_tracker: int32 scalar, consecutive finite (effective) steps since
-        the last growth or skip (torch's ``_growth_tracker``).
+        the last growth or skip (torch's ``_growth_tracker``); -1 in the state of
+        a disabled scaler (`noop_scaler`), whose scale is 1.0. An enabled scaler
+        that finds -1 (a checkpoint restored with scaling switched on) takes its
+        own ``init_scale`` at its first update; a disabled one that finds an
+        enabled scaler's state sets the scale to 1.0 at its first update.
       skipped_steps: int32 scalar, total number of (effective) steps skipped
         because their gradients (or inner's updates) were not finite.
       last_step_skipped: bool scalar, whether the latest effective step was
@@ -256,6 +264,9 @@ def _is_scaler_state(x) -> bool:
     return isinstance(x, GradScalerState)
 
 
+_INNER_STATE = jax.tree_util.GetAttrKey("inner_state")
+
+
 def _find_state(opt_state: Any, caller: str) -> GradScalerState:
     """The single `GradScalerState` inside `opt_state`, or a ValueError."""
     found = []
@@ -266,7 +277,7 @@ def _find_state(opt_state: Any, caller: str) -> GradScalerState:
             if _is_scaler_state(node):
                 found.append((prefix + path, node))
                 # A scaler nested in a scaler would unscale twice: report it too.
-                search(node.inner_state, prefix + path)
+                search(node.inner_state, prefix + path + (_INNER_STATE,))
 
     search(opt_state, ())
     if len(found) == 1:

@@ -24,6 +24,11 @@ remaining inputs.
 | (any helper)                                                     | the message starts with the name of the helper called |
 | the same helpers on a state holding two scalers                  | ValueError: "found 2 GradScalerStates ... (at <paths>) ... Wrap the whole optimizer in a single grad_scaler" |
 | ``grad_scaler(...).update`` on a state that holds no scaler (e.g. a pre-mpjax checkpoint) | TypeError naming ``state`` and GradScalerState, and how to restore into ``tx.init(params)`` |
+| the same on a scaler's checkpoint restored without a target (a plain dict of its fields) | TypeError saying the restore lacked a target structure, and how to restore into ``tx.init(params)`` |
+| a scaler inside a scaler                                          | the helpers' ValueError gives the inner one's path, ``.inner_state`` included |
+| ``enabled`` or ``check_updates`` other than True / False (``"false"`` from a config file, ``None``, ``0.0``) | ValueError naming the argument |
+| settings as 0-d JAX or NumPy arrays (``init_scale=jnp.float32(4.0)``)  | taken as the numbers they hold; a traced one is a ValueError: settings are fixed when the scaler is built (``set_scale`` changes the scale) |
+| ``grad_scaler`` without ``axis_name`` inside ``shard_map`` on gradients that differ between devices, with a state they share | ValueError naming the mesh axes and ``axis_name`` |
 | hyperparameters out of range (``growth_factor``, ``backoff_factor``, ``growth_interval``, ``init_scale``, ``min_scale``, ``accumulation_steps``, static ``scale``, ``set_scale``'s ``new_scale``) | ValueError naming the function, the argument, the valid range and the value given |
 | a restored scale that is a float64 / float16 / bfloat16 / int / NumPy / Python scalar | accepted: the step is bit-identical to the one from a float32 scale and the new state's scale is a float32 scalar again |
 | the same, read with ``get_scale`` / ``scaler_stats`` before any step | returned as a float32 scalar, as documented |
@@ -396,6 +401,10 @@ OUT_OF_RANGE = [
         dict(scale=1.0, check_updates=None),
         r"static_scaler: check_updates must be True or False, got None",
     ),
+    # A string from a config file is truthy: "false" would switch scaling on.
+    (grad_scaler, dict(enabled="false"), r"grad_scaler: enabled must be True or False, got 'f"),
+    (grad_scaler, dict(enabled=None), r"grad_scaler: enabled must be True or False, got None"),
+    (grad_scaler, dict(enabled=0.0), r"grad_scaler: enabled must be True or False, got 0\.0"),
 ]
 
 
@@ -407,6 +416,45 @@ OUT_OF_RANGE = [
 def test_out_of_range_hyperparameter_gives_the_valid_range(make, kwargs, message):
     with pytest.raises(ValueError, match=message):
         make(optax.sgd(0.1), **kwargs)
+
+
+def test_settings_given_as_jax_or_numpy_scalars_are_taken_as_numbers():
+    as_numbers = grad_scaler(optax.sgd(0.1), init_scale=4.0, growth_factor=3.0, growth_interval=5)
+    makers = [(jnp.asarray, jnp.asarray), (np.asarray, np.asarray), (jnp.float32, jnp.int32)]
+    for real, integer in makers:
+        tx = grad_scaler(
+            optax.sgd(0.1),
+            init_scale=real(4.0),
+            growth_factor=real(3.0),
+            growth_interval=integer(5),
+            enabled=integer(True).astype(bool),
+        )
+        chex.assert_trees_all_equal(tx.init(PARAMS), as_numbers.init(PARAMS))
+    assert float(get_scale(static_scaler(optax.sgd(0.1), jnp.float32(128.0)).init(PARAMS))) == 128
+
+
+def test_a_traced_setting_says_settings_are_fixed_when_the_scaler_is_built():
+    with pytest.raises(ValueError, match=r"grad_scaler: init_scale must be a concrete number"):
+        jax.jit(lambda s: grad_scaler(optax.sgd(0.1), init_scale=s).init(PARAMS))(4.0)
+
+
+def test_a_scaler_inside_a_scaler_is_reported_at_its_path():
+    state = grad_scaler(grad_scaler(optax.sgd(0.1))).init(PARAMS)
+    with pytest.raises(ValueError, match=r"2 GradScalerStates in `opt_state` \(at <root>, \.inner"):
+        get_scale(state)
+    inner = optax.chain(optax.identity(), grad_scaler(optax.sgd(0.1)))
+    state = optax.chain(optax.identity(), grad_scaler(inner)).init(PARAMS)
+    with pytest.raises(ValueError, match=r"\(at \[1\], \[1\]\.inner_state\[1\]\)"):
+        get_scale(state)
+
+
+def test_a_checkpoint_restored_without_a_target_says_so():
+    from flax import serialization
+
+    tx = grad_scaler(optax.adam(1e-3))
+    raw = serialization.msgpack_restore(serialization.to_bytes(tx.init(PARAMS)))
+    with pytest.raises(TypeError, match=r"restored without a target structure.*tx\.init\(param"):
+        tx.update(PARAMS, raw, PARAMS)
 
 
 @pytest.mark.parametrize("value", [0.0, -2.0, float("nan"), 1e39])

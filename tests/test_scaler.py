@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import serialization
 from jax import lax
 
 from mpjax._float32 import _mul_f32_by_f64
@@ -463,7 +464,33 @@ def test_enabled_false_is_a_no_op():
         stats = scaler_stats(state)
         assert float(stats["scale"]) == 1.0 and int(stats["skipped_steps"]) == 0
         assert not bool(stats["last_step_skipped"])
-        assert int(stats["growth_tracker"]) == 0
+        assert int(stats["growth_tracker"]) == -1  # a disabled scaler counts no steps
+
+
+@pytest.mark.parametrize("scaling_on", [True, False])
+def test_a_checkpoint_restored_with_scaling_switched_takes_the_new_setting(scaling_on):
+    """Saved with scaling off and restored with it on, the scale starts from
+    init_scale (not the disabled scaler's 1.0, which would let float16 gradients
+    underflow for 16 growth intervals); the other way round, it becomes 1.0."""
+    params = {"w": jnp.ones(3)}
+    on = grad_scaler(optax.sgd(0.1), init_scale=2.0**12, growth_interval=2)
+    off = noop_scaler(optax.sgd(0.1))
+    saved, restored_into = (off, on) if scaling_on else (on, off)
+    blob = serialization.to_bytes(saved.init(params))
+    state = serialization.from_bytes(restored_into.init(params), blob)
+    grads = {"w": jnp.full(3, 0.5)}
+    updates, state = jax.jit(restored_into.update)(grads, state, params)
+    chex.assert_trees_all_close(updates, {"w": jnp.full(3, -0.05)})
+    if scaling_on:
+        assert float(get_scale(state)) == 2.0**12 and int(state.growth_tracker) == 1
+        # and it is a working dynamic scaler from there: a skip backs it off
+        _, state = jax.jit(on.update)({"w": jnp.full(3, jnp.inf)}, state, params)
+        assert float(get_scale(state)) == 2.0**11 and bool(state.last_step_skipped)
+    else:
+        assert float(get_scale(state)) == 1.0 and int(state.growth_tracker) == -1
+        # a state written by the disabled scaler restores into it unchanged
+        again = serialization.from_bytes(off.init(params), serialization.to_bytes(state))
+        chex.assert_trees_all_equal(jax.jit(off.update)(grads, again, params)[1], state)
 
 
 def test_static_scaler_never_moves_but_still_skips():

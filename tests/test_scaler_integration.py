@@ -417,6 +417,40 @@ def test_axis_name_inside_shard_map(accumulation_steps):
     assert float(state.scale) == 2.0 and int(state.skipped_steps) == 1
 
 
+def test_gradients_that_differ_between_devices_need_axis_name():
+    """Sharded gradients and a replicated scaler state (a ZeRO layout) without
+    axis_name: each device would decide alone, so update refuses; a state that
+    differs between devices too (one independent run per device) is theirs to skip."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    tx = grad_scaler(optax.adam(0.1))
+    params = jnp.arange(4.0)
+    state = tx.init(params)
+    specs = _state_specs(state)
+    step = jax.shard_map(
+        lambda g, s, p: tx.update(g, s, p),
+        mesh=mesh,
+        in_specs=(P("d"), specs, P("d")),
+        out_specs=(P("d"), specs),
+    )
+    with pytest.raises(ValueError, match=r"mesh axes \('d',\).*Pass axis_name"):
+        jax.jit(step)(jnp.ones(4), state, params)
+    per_device = jax.tree.map(lambda _: P("d"), jax.tree.map(lambda x: x[None], state))
+    stacked = jax.tree.map(lambda x: x[None], state)
+    run = jax.jit(
+        jax.shard_map(
+            lambda g, s, p: jax.tree.map(
+                lambda x: x[None], tx.update(g, jax.tree.map(lambda x: x[0], s), p)
+            ),
+            mesh=mesh,
+            in_specs=(P("d"), per_device, P("d")),
+            out_specs=(P("d"), per_device),
+        )
+    )
+    updates, new = run(jnp.array([1.0, jnp.inf, 1.0, 1.0]), stacked, params)
+    chex.assert_trees_all_equal(updates, jnp.zeros((1, 4)))
+    assert bool(new.last_step_skipped[0]) and float(new.scale[0]) == 2.0**15
+
+
 def test_axis_name_gives_one_decision_on_four_devices(tmp_path):
     # A fresh process: the host platform is split into 4 devices only at startup.
     script = textwrap.dedent("""
