@@ -84,8 +84,9 @@ def autocast(
 
     Array arguments are traced; every other leaf of the arguments (Python bools,
     ints, floats, strings) is passed to `fun` as it is, so it may steer Python
-    control flow. Flax NNX modules may be passed too: what `fun` writes to them
-    (BatchNorm statistics, RNG counters) is kept, at the variables' own dtypes.
+    control flow. Flax NNX modules may be passed too: what `fun` does to them is
+    kept, as under ``nnx.jit`` (BatchNorm statistics and RNG counters at the
+    variables' own dtypes, Python attributes, ``model.eval()``, new submodules).
 
     As with ``jax.jit``, `fun` is traced once per new argument signature (the
     arrays' shapes and dtypes, the pytree structure, the static values), and

@@ -3,8 +3,8 @@
 A jaxpr interpreter sees only arrays, so writes to a module inside the traced
 function (BatchNorm statistics, RNG counters, any `nnx.Variable`) would happen on
 a throw-away copy. Here the arguments are split into (graphdef, state), the
-function is made pure (state in, new state out), and the new state is written
-back into the caller's modules, as `nnx.jit` does.
+function is made pure (state in, new graph and state out), and the caller's
+modules are updated from them, as `nnx.jit` does.
 
 Flax is never imported here at module level: `import mpjax` stays free of it.
 NNX objects can exist only once `flax.nnx` has been imported, so while it is
@@ -51,29 +51,44 @@ def has_nnx_objects(tree) -> bool:
 
 
 def call_with_state(call, fun, args, kwargs):
-    """Runs ``call(pure_fun, state)`` and writes the new state into the modules.
+    """Runs ``call(pure_fun, state)`` and carries what `fun` did to the modules back.
 
     `call` runs a pure function of one pytree argument (the autocast
-    interpreter); the state it returns keeps its original dtypes.
+    interpreter); the state it returns keeps its original dtypes. NNX's update
+    context, as `nnx.jit` uses it, carries every change back: Variables, static
+    attributes (a flag, ``model.eval()``), submodules created in the call, and
+    modules passed twice or inside one another.
     """
     from flax import nnx  # already imported: the arguments hold NNX objects
 
     leaves, treedef = _nnx_leaves((args, kwargs))
     where = [i for i, x in enumerate(leaves) if _is_nnx(x)]
-    nodes = [leaves[i] for i in where]
-    graphdef, state = nnx.split(nodes)  # one split: modules shared between arguments stay shared
+    tag = object()  # this call's own: nested calls keep their contexts apart
+    with nnx.update_context(tag):
+        with nnx.split_context(tag) as ctx:
+            graphdef, state = ctx.split([leaves[i] for i in where])
 
-    def pure(state, other_leaves):
-        new_nodes = nnx.merge(graphdef, state)
-        full = list(other_leaves)
-        for i, node in zip(where, new_nodes):
-            full[i] = node
-        a, k = jax.tree.unflatten(treedef, full)
-        out = fun(*a, **k)
-        return out, nnx.state(new_nodes)
+        def pure(state, other_leaves):
+            with nnx.merge_context(tag, inner=True) as ctx:
+                new_nodes = ctx.merge(graphdef, state)
+            full = list(other_leaves)
+            for i, node in zip(where, new_nodes):
+                full[i] = node
+            a, k = jax.tree.unflatten(treedef, full)
+            out = fun(*a, **k)
+            with nnx.split_context(tag) as ctx:
+                new_graphdef, new_state = ctx.split(new_nodes)
+            return out, _Static(new_graphdef), new_state
 
-    others = [None if i in where else x for i, x in enumerate(leaves)]
-    out, new_state = call(pure, (state, others))
-    for i, node in enumerate(nodes):
-        nnx.update(node, new_state[i])
+        others = [None if i in where else x for i, x in enumerate(leaves)]
+        out, new_graphdef, new_state = call(pure, (state, others))
+        with nnx.merge_context(tag, inner=False) as ctx:
+            ctx.merge(new_graphdef.value, new_state)
     return out
+
+
+class _Static:
+    """A value handed out of the traced function as it is, not as a pytree."""
+
+    def __init__(self, value):
+        self.value = value

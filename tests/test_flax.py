@@ -135,6 +135,72 @@ def test_nnx_eval_mode_under_autocast_is_deterministic(low):
     chex.assert_trees_all_equal(nnx.state(model, nnx.BatchStat), stats)  # not updated
 
 
+class ActNorm(nnx.Module):
+    """Data-dependent initialisation on the first batch, guarded by a Python flag."""
+
+    def __init__(self, n):
+        self.bias = nnx.Param(jnp.zeros(n))
+        self.initialized = False
+        self.extra = nnx.data(None)  # a submodule the first call creates
+
+    def __call__(self, x):
+        if not self.initialized:
+            self.bias[...] = -x.mean(0)
+            self.initialized = True
+            self.extra = nnx.Linear(x.shape[-1], 2, rngs=nnx.Rngs(0))
+        return self.extra(x + self.bias[...])
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx.jit"])
+def test_nnx_graph_changes_are_kept_under_autocast(low, jit):
+    """What `fun` does to a module besides its Variables is kept, as by nnx.jit: a
+    Python flag flipped, a submodule created, ``model.eval()`` inside the call. A
+    lost flag re-initialised ActNorm from each batch, silently undoing training."""
+    wrap = nnx.jit if jit else (lambda f: f)
+    x = jnp.arange(12.0).reshape(3, 4)
+    model = ActNorm(4)
+    wrap(mpjax.autocast(lambda m, x: m(x), dtype=low))(model, x)
+    assert model.initialized is True and isinstance(model.extra, nnx.Linear)
+    chex.assert_trees_all_equal(model.bias[...], -x.mean(0))
+    model.bias[...] = jnp.zeros(4)  # as an optimizer step would move it
+    wrap(mpjax.autocast(lambda m, x: m(x), dtype=low))(model, x + 1.0)
+    chex.assert_trees_all_equal(model.bias[...], jnp.zeros(4))  # not initialised again
+
+    net = make_net()
+
+    def evaluate(model, x):
+        model.eval()
+        return model(x)
+
+    wrap(mpjax.autocast(evaluate, dtype=low))(net, jnp.ones((2, 12)))
+    assert net.drop.deterministic and net.bn1.use_running_average
+
+
+def test_nnx_module_passed_twice_or_with_its_submodule(low):
+    """Self-distillation passes the model as student and teacher; a loss may take a
+    model and one of its layers. The module stays shared, as in plain calls."""
+
+    def twice(student, teacher, x):
+        return jnp.mean((student(x) - jax.lax.stop_gradient(teacher(x))) ** 2)
+
+    def with_submodule(model, head, x):
+        return jnp.mean(model(x)) + jnp.mean(head(jnp.ones((2, 32))))
+
+    x = next(batches(1))[0]
+    for fun, args in [(twice, lambda m: (m, m, x)), (with_submodule, lambda m: (m, m.head, x))]:
+        reference, model = make_net(), make_net()
+        expected = fun(*args(reference))
+        out = mpjax.autocast(fun, dtype=low)(*args(model))
+        chex.assert_trees_all_close(out, expected, rtol=0.1, atol=0.05)
+        # the statistics and counters moved as often as in the plain call
+        assert int(model.calls[...]) == int(reference.calls[...])
+        chex.assert_trees_all_close(
+            nnx.state(model, nnx.BatchStat),
+            nnx.state(reference, nnx.BatchStat),
+            **STAT_TOL[np.dtype(low)],
+        )
+
+
 def loss_fn(model, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
 
