@@ -54,7 +54,8 @@ def scaled_value_and_grad(
       fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with
         `has_aux`.
       opt_state: an optimizer state holding exactly one `GradScalerState`.
-      argnums: as for ``jax.value_and_grad``.
+      argnums: as for ``jax.value_and_grad``; or an ``nnx.DiffState`` (for
+        ``nnx.value_and_grad``: the LoRA parameters alone, say).
       has_aux: as for ``jax.value_and_grad``.
       value_and_grad: the differentiation transform. By default
         ``jax.value_and_grad``, or ``flax.nnx.value_and_grad`` when a
@@ -91,7 +92,17 @@ def scaled_value_and_grad(
     def wrapped(*args, **kwargs):
         transform = _value_and_grad_for(args, argnums, value_and_grad)
         grad_fn = transform(scaled_fun, argnums=argnums, has_aux=True)
-        (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+        out = grad_fn(*args, **kwargs)
+        if not (_pair(out) and _pair(out[0]) and _pair(out[0][1])):
+            name = getattr(transform, "__qualname__", type(transform).__name__)
+            raise TypeError(
+                f"{_NAME}(value_and_grad={name}): value_and_grad must be a value-and-"
+                "gradient transform, as jax.value_and_grad or flax.nnx.value_and_grad, "
+                "whose function returns ((value, aux), grads) with has_aux=True; it "
+                f"returned {_describe(out)}. (jax.grad and nnx.grad return the "
+                "gradients alone.)"
+            )
+        (_, (loss, aux)), grads = out
         return ((loss, aux) if has_aux else loss), unscale(grads, scale)
 
     return wrapped
@@ -116,8 +127,14 @@ def unscale(grads, scale: jax.Array):
 
 
 def _differentiated(args, argnums):
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    return [args[i] for i in nums if i < len(args)]
+    # An nnx.DiffState(argnum, filter) names its argument by `argnum`.
+    single = isinstance(argnums, int) or hasattr(argnums, "argnum")
+    nums = [getattr(n, "argnum", n) for n in ((argnums,) if single else argnums)]
+    return [args[i] for i in nums if -len(args) <= i < len(args)]
+
+
+def _pair(x) -> bool:
+    return isinstance(x, (tuple, list)) and len(x) == 2
 
 
 def _loss_and_aux(out, has_aux: bool, differentiated: list):

@@ -205,6 +205,31 @@ def loss_fn(model, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
 
 
+def test_nnx_diff_state_argnums_differentiates_only_the_filtered_state():
+    """LoRA fine-tuning differentiates the LoRA parameters alone, with
+    ``argnums=nnx.DiffState(0, nnx.LoRAParam)``, as nnx.value_and_grad takes it."""
+
+    class Lora(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.LoRALinear(12, 16, lora_rank=2, rngs=rngs)
+            self.head = nnx.Linear(16, 5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(nnx.relu(self.l1(x)))
+
+    x, y = next(batches(1))
+    model = Lora(nnx.Rngs(0))
+    lora_only = nnx.DiffState(0, nnx.LoRAParam)
+    state = mpjax.grad_scaler(optax.adam(1e-2), init_scale=2.0**10).init(
+        nnx.state(model, nnx.LoRAParam)
+    )
+    value, grads = mpjax.scaled_value_and_grad(loss_fn, state, argnums=lora_only)(model, x, y)
+    expected_value, expected = nnx.value_and_grad(loss_fn, argnums=lora_only)(model, x, y)
+    assert float(value) == float(expected_value)
+    assert jax.tree.structure(grads) == jax.tree.structure(expected)
+    chex.assert_trees_all_close(grads, expected, rtol=1e-6, atol=1e-7)
+
+
 def make_train_step(loss):
     @nnx.jit
     def train_step(model, optimizer, x, y):

@@ -8,6 +8,7 @@ correctly or stops at the first step with an error that names the fix.
 | a PyTorch loop ported literally: ``loss / k`` with ``accumulation_steps=k`` | ``accumulation="sum"`` gives the mean gradient; leaving ``accumulation`` out is a ValueError naming both choices |
 | float16 parameters given to ``grad_scaler`` | ValueError at ``init`` naming the leaves and the fix |
 | ``scaled_value_and_grad(jax.grad(f))`` | ValueError: looks like a gradient function, pass the loss |
+| ``scaled_value_and_grad(f, value_and_grad=jax.grad)`` (or ``nnx.grad``) | TypeError: value_and_grad must be a value-and-gradient transform |
 | a ``(loss, aux)`` loss without ``has_aux=True`` | ValueError naming ``has_aux=True`` |
 | a non-scalar loss | ValueError naming the shape and ``.mean()`` |
 | an NNX module with the default ``value_and_grad`` | differentiated with ``nnx.value_and_grad`` |
@@ -191,6 +192,14 @@ def test_scaled_value_and_grad_names_the_fix(fun, kwargs, match):
     state = mpjax.grad_scaler(optax.sgd(0.1)).init(_params())
     with pytest.raises(ValueError, match=match):
         mpjax.scaled_value_and_grad(fun, state, **kwargs)(_params(), X, Y)
+
+
+@pytest.mark.parametrize("grad", [jax.grad, nnx.grad], ids=["jax.grad", "nnx.grad"])
+def test_a_gradient_transform_as_value_and_grad_names_the_fix(grad):
+    state = mpjax.grad_scaler(optax.sgd(0.1)).init(_params())
+    with pytest.raises(TypeError, match=r"value_and_grad=grad\): value_and_grad must be a "
+                       r"value-and-gradient transform, as jax\.value_and_grad"):
+        mpjax.scaled_value_and_grad(loss_fn, state, value_and_grad=grad)(_params(), X, Y)
 
 
 def test_scaled_value_and_grad_refuses_a_non_callable():
