@@ -103,3 +103,16 @@ def fits(scope, x, dtype, selection: bool = False) -> bool:
     finite = magnitude[np.isfinite(magnitude)]
     small = (finite == 0) | (finite >= float(info.smallest_normal))
     return bool(np.all(small & ((finite <= float(info.max)) | selection)))
+
+
+def fill_fits(eqn, low) -> bool:
+    """Whether a gather's fill value (``mode="fill"``) is one `low` holds: one it
+    cannot (``fill_value=1e6`` in float16) runs the gather as written, rather
+    than fill with inf."""
+    fill = eqn.params.get("fill_value")
+    if fill is None or low is None or not policy.is_castable(eqn.invars[0].aval.dtype):
+        return True
+    info, magnitude = jnp.finfo(low), abs(float(fill))
+    return not np.isfinite(magnitude) or magnitude == 0 or (
+        float(info.smallest_normal) <= magnitude <= float(info.max)
+    )

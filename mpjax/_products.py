@@ -39,20 +39,23 @@ parameter cast again rather than kept): `mpjax.diagnose` leaves them out of the
 backward pass's values."""
 
 
-def low_product(operands, parameters, dimension_numbers, precision, low, recast=True):
+def low_product(
+    operands, parameters, dimension_numbers, precision, low, recast=True, out_sharding=None
+):
     """``dot_general`` of the 16-bit `operands`, returning its float32 accumulator.
 
     `parameters` holds, per operand, the float32 parameter it was cast from, or
     None for an activation. With `recast`, the backward pass keeps the float32
     parameter (alive anyway) and casts it again, rather than keeping its 16-bit
     copy; inside a loop body, where the cast is made once outside the loop and
-    kept once, pass False.
+    kept once, pass False. `out_sharding` is the product's own (explicit sharding).
     """
     dn = dimension_numbers
     is_param = [p is not None for p in parameters]
+    sharded = {} if out_sharding is None else {"out_sharding": out_sharding}
 
     def dot(a, b):
-        return lax.dot_general(a, b, dn, precision=precision, preferred_element_type=F32)
+        return lax.dot_general(a, b, dn, precision=precision, preferred_element_type=F32, **sharded)
 
     def mpjax_low_product(a, b, *params):  # the name marks it in jaxprs (`mpjax.audit`)
         return dot(a, b)
@@ -154,16 +157,19 @@ def _ranges_like(*groups):
 
 
 def runs_as_written(eqn, vals) -> bool:
-    """Whether a product keeps its inputs' precision. float64 is never cast, so a
-    product with a float64 operand runs in float64 whatever autocast does:
-    rounding its float32 operand to 16 bits would only lose precision. And a
+    """Whether a product keeps its inputs' precision. float64 and complex values are
+    never cast, so a product with such an operand runs in float64 or complex
+    whatever autocast does: rounding its float32 operand to 16 bits would only
+    lose precision (and a complex x 16-bit product with a float32 result would
+    drop the imaginary part). And a
     product given ``precision=HIGHEST`` or a dot algorithm was told how precise
     to be by the user, unless `jax.default_matmul_precision` (which writes its
     precision into every product) told all of them, as torch's autocast
     overrides ``allow_tf32``."""
     precision = eqn.params.get("precision")
     given = precision if isinstance(precision, tuple) else (precision,)
-    return any(dtype_of(x) == np.float64 for x in vals) or any(map(_asks_precision, given))
+    wide = any(dtype_of(x) == np.float64 or np.dtype(dtype_of(x)).kind == "c" for x in vals)
+    return wide or any(map(_asks_precision, given))
 
 
 def _asks_precision(p) -> bool:

@@ -70,6 +70,12 @@ def policy_rule(ctx, eqn, vals, weak):
     rule = Rule.ORIGINAL if low is None else policy.rule_for(eqn.primitive.name, lean=lean)
     if rule is Rule.LOW and _products.runs_as_written(eqn, vals):
         rule = Rule.ORIGINAL
+    if rule is Rule.WIDEST and _squares(eqn):
+        # ``x * x`` (jnp.linalg.norm, a hand-written RMSNorm) is a square: float32,
+        # as ``square`` and torch's ``pow`` and ``norm``, not 16 bits past 256.
+        rule = policy.rule_for("square", lean=lean)
+    if rule is not Rule.ORIGINAL and not _constants.fill_fits(eqn, low):
+        rule = Rule.ORIGINAL
     if lean and rule is Rule.FLOAT32 and any(dtype_of(x) in policy.LOW_DTYPES for x in vals):
         return _float32_inside(ctx, eqn, vals, low)
     vals = fusions.residual_operands(ctx, eqn, vals)
@@ -103,6 +109,13 @@ def policy_rule(ctx, eqn, vals, weak):
     return fusions.constant_broadcast(ctx, eqn, args, outs)
 
 
+def _squares(eqn) -> bool:
+    if eqn.primitive.name != "mul":
+        return False
+    a, b = eqn.invars
+    return a is b and not isinstance(a, _compat.Literal)
+
+
 def _float32_accumulator(ctx, eqn, vals) -> bool:
     """Whether a low-precision product keeps a float32 result: one of its inputs
     is a float32 argument (a weight), so its transpose is a float32 gradient.
@@ -132,6 +145,7 @@ def _low_product_float32_accumulator(ctx, eqn, vals, args, low):
         eqn.params.get("precision"),
         low,
         recast=ctx.scope.parent is None,  # in a loop body the cast is hoisted: keep it
+        out_sharding=eqn.params.get("out_sharding"),
     )
     rounded = convert(accumulator, low, False)
     ctx.scope.keep_accumulator(rounded, accumulator)  # for a bias added next

@@ -72,12 +72,13 @@ FLOAT32 = _table(Rule.FLOAT32, [
     # accumulating reductions and scans
     "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
     "reduce_window_sum",
+    # the next float after x: a step of float32's precision, as the program asks
+    "nextafter",
 ])
 
 # Several floating inputs that must agree: promote to the widest.
 WIDEST = _table(Rule.WIDEST, [
     "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "atan2",
-    "nextafter",
     "eq", "ne", "lt", "le", "gt", "ge",
     "select_n", "clamp", "concatenate", "stack", "pad",
     "dynamic_update_slice",

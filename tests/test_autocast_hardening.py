@@ -484,3 +484,91 @@ def test_grad_of_autocast_leaves_no_calls_of_its_own():
     assert not [e for e in all_eqns(jaxpr) if e.primitive.name in ("jit", "pjit")]
     grads = jax.jit(jax.grad(mpjax.autocast(f)))(w, x)
     np.testing.assert_allclose(grads, jax.grad(f)(w, x), rtol=2e-2, atol=2e-3)
+
+
+# --- values whose meaning depends on their dtype -------------------------------------
+
+
+def test_complex_times_float32_product_keeps_the_imaginary_part(low):
+    """complex values are never cast; a product of one with a float32 weight runs
+    as written (a complex x 16-bit product to a float32 result drops the imaginary part)."""
+    x = jnp.array([[1 + 2j, 3 - 1j]], jnp.complex64)
+    w = jnp.array([[1.0, 0.0], [0.0, 2.0]])
+    for f in [lambda x, w: x @ w, lambda x, w: w @ x.T, lambda x, w: jnp.einsum("ij,jk->ik", x, w)]:
+        chex.assert_trees_all_equal(mpjax.autocast(f, dtype=low)(x, w), f(x, w))
+
+    def loss(w, x):
+        return jnp.sum(jnp.abs(x @ w) ** 2)
+
+    chex.assert_trees_all_close(
+        jax.grad(mpjax.autocast(loss, dtype=low))(w, x), jax.grad(loss)(w, x), rtol=1e-6
+    )
+
+
+@pytest.mark.parametrize("fill", [1e6, -1e5, 1e-9])
+def test_gather_fill_value_the_low_dtype_cannot_hold_is_kept(low, fill):
+    x, w = _xw()
+    index = jnp.array([0, 3, 7, -9])
+
+    def f(x, w):
+        return (x @ w).at[index].get(mode="fill", fill_value=fill)
+
+    out, ref = mpjax.autocast(f, dtype=low)(x, w), f(x, w)
+    assert out.dtype == F32
+    np.testing.assert_allclose(out[2:], ref[2:], rtol=rel_tol(low), atol=0)  # no inf, no 0
+    np.testing.assert_allclose(out[:2], ref[:2], rtol=rel_tol(low), atol=rel_tol(low))
+
+
+def test_a_value_times_itself_is_a_float32_square():
+    """``x * x`` squares as ``x ** 2`` does, in float32: jnp.linalg.norm and an RMSNorm
+    written ``h * rsqrt(mean(h * h))`` of a float16 activation above 256 were inf or 0."""
+    x = jnp.array([[300.0, 1.0, 2.0, 3.0], [10.0, 20.0, 30.0, 40.0]])
+
+    def norm(x, w):
+        return jnp.linalg.norm(x @ w, axis=-1)
+
+    def rmsnorm(x, w):
+        h = x @ w
+        return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
+
+    w = jnp.eye(4)
+    for f in [norm, rmsnorm]:
+        out, ref = mpjax.autocast(f)(x, w), f(x, w)
+        np.testing.assert_allclose(out, ref, rtol=rel_tol(F16))
+        g = jax.grad(lambda x: jnp.sum(mpjax.autocast(f)(x, w)[0]))(x)
+        g_ref = jax.grad(lambda x: jnp.sum(f(x, w)[0]))(x)
+        np.testing.assert_allclose(g, g_ref, rtol=5e-3, atol=1e-3)
+    program = jax.make_jaxpr(mpjax.autocast(norm))(x, w)
+    squares = [e for e in all_eqns(program) if e.primitive.name == "mul"]
+    assert squares and all(e.outvars[0].aval.dtype == F32 for e in squares)
+
+
+def test_nextafter_steps_in_the_precision_the_program_asks(low):
+    x, w = _xw()
+
+    def f(x, w):
+        h = x @ w
+        return jnp.nextafter(h, jnp.inf) - h
+
+    out = mpjax.autocast(f, dtype=low)(x, w)
+    np.testing.assert_allclose(out, f(x, w), rtol=0.5)  # float32 ulps, not float16's
+
+
+def test_a_products_out_sharding_is_kept():
+    """Under explicit sharding, ``out_sharding=`` on a product whose contracting
+    dimension is sharded is required, and the result is sharded as asked."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1, 1), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+    use_mesh = getattr(jax.sharding, "use_mesh", None) or jax.set_mesh
+    with use_mesh(mesh):
+        x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("a", "b")))
+        w = jax.device_put(jnp.full((4, 4), 0.5), NamedSharding(mesh, P("b", None)))
+
+        def f(w, x):
+            return jnp.einsum("ij,jk->ik", x, w, out_sharding=P("a", None))
+
+        out, ref = jax.jit(mpjax.autocast(f))(w, x), jax.jit(f)(w, x)
+    assert jax.typeof(out) == jax.typeof(ref)
+    chex.assert_trees_all_equal(out, ref)
