@@ -39,6 +39,10 @@ parameter cast again rather than kept): `mpjax.diagnose` leaves them out of the
 backward pass's values."""
 
 
+LOW_PRODUCT = "mpjax_low_product"
+"""The name `low_product`'s custom_jvp carries in jaxprs."""
+
+
 def low_product(
     operands, parameters, dimension_numbers, precision, low, recast=True, out_sharding=None
 ):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mpjax import _compat
+from mpjax import _compat, _products
 from mpjax import policy
 from mpjax._casting import dtype_of
 from mpjax.interpreter import HIGHER_ORDER, Context, Scope, eval_closed, eval_jaxpr
@@ -59,6 +59,11 @@ def _custom_jvp(ctx: Context, eqn, vals, weak):
     Primal outputs of the rule are cast to the primal function's output dtypes
     and tangents to the matching tangent dtypes, as custom_jvp requires.
     """
+    if _compat.called_name(eqn) == _products.LOW_PRODUCT and all(
+        dtype_of(x) == v.aval.dtype for x, v in zip(vals, eqn.invars)
+    ):
+        # A product an inner region already made: its operands are as it made them.
+        return _compat.bind(eqn, *vals)
     params = eqn.params
     n_consts = params["num_consts"]
     rule, rule_consts, out_zeros = _compat.custom_jvp_rule(params, len(vals) - n_consts)

@@ -195,6 +195,25 @@ def test_inner_region_with_another_dtype_overrides():
     )
 
 
+@pytest.mark.parametrize("outer, inner", [(F16, F16), (F16, BF16), (BF16, F16)])
+def test_gradient_through_a_region_nested_in_another(outer, inner):
+    """The inner region's products are made once, by the inner region: the outer
+    one differentiates them as they are (it failed with an empty AssertionError)."""
+
+    def f(w, x):
+        h = mpjax.autocast(lambda x, w: jnp.tanh(x @ w), dtype=inner)(x, w)
+        return jnp.sum(h @ w)
+
+    w, x = _w(3, 3), _w(2, 3)
+    for argnums in [1, (0, 1)]:  # the weight not differentiated, or both
+        expected = jax.grad(f, argnums=argnums)(w, x)
+        for wrap in [lambda g: g, jax.jit]:
+            grads = wrap(jax.grad(mpjax.autocast(f, dtype=outer), argnums=argnums))(w, x)
+            assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
+            chex.assert_trees_all_close(grads, expected, rtol=5e-2, atol=1e-2)
+    assert _precisions(mpjax.autocast(f, dtype=outer), w, x) == [inner, outer]
+
+
 @pytest.mark.parametrize(
     "inner", [dict(enabled=False), dict(dtype=jnp.bfloat16)], ids=["disabled", "bfloat16"]
 )
