@@ -59,7 +59,9 @@ def low_product(
     sharded = {} if out_sharding is None else {"out_sharding": out_sharding}
 
     def dot(a, b):
-        return lax.dot_general(a, b, dn, precision=precision, preferred_element_type=F32, **sharded)
+        return lax.dot_general(
+            a, b, dn, precision=precision, preferred_element_type=F32, **sharded
+        )
 
     def mpjax_low_product(a, b, *params):  # the name marks it in jaxprs (`mpjax.audit`)
         return dot(a, b)
