@@ -96,10 +96,14 @@ def fits(scope, x, dtype, selection: bool = False) -> bool:
     if not policy.is_castable(dtype_of(x)):
         return True
     known = values(scope, x)
-    if known is None:
-        return True
+    return known is None or _holds(known, dtype, selection)
+
+
+def _holds(values, dtype, selection: bool = False) -> bool:
+    """Whether `values` are normal numbers (or 0, inf, NaN) in `dtype`; finite
+    values above its range count as held in a selection."""
     info = jnp.finfo(dtype)
-    magnitude = np.abs(np.asarray(known, np.float64))
+    magnitude = np.abs(np.asarray(values, np.float64))
     finite = magnitude[np.isfinite(magnitude)]
     small = (finite == 0) | (finite >= float(info.smallest_normal))
     return bool(np.all(small & ((finite <= float(info.max)) | selection)))
@@ -112,7 +116,4 @@ def fill_fits(eqn, low) -> bool:
     fill = eqn.params.get("fill_value")
     if fill is None or low is None or not policy.is_castable(eqn.invars[0].aval.dtype):
         return True
-    info, magnitude = jnp.finfo(low), abs(float(fill))
-    return not np.isfinite(magnitude) or magnitude == 0 or (
-        float(info.smallest_normal) <= magnitude <= float(info.max)
-    )
+    return _holds(fill, low)
