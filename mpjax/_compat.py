@@ -141,13 +141,12 @@ def weakly_typed(x):
 
 @contextlib.contextmanager
 def equation_context(eqn):
-    """Binds under `eqn`'s user traceback and name scope.
-
-    New equations then point at the user's source line, and errors raised by a
-    bind are reported against it, as `jax.core.eval_jaxpr` does.
-    """
+    """Binds under `eqn`'s user traceback, name scope and context (an `auto_axes`
+    region's mesh), as `jax.core.eval_jaxpr` does: new equations point at the
+    user's source line, and a bind's errors are reported against it."""
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+    traceback = eqn.source_info.traceback
+    with source_info_util.user_context(traceback, name_stack=name_stack), eqn.ctx.manager:
         yield
 
 

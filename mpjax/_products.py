@@ -27,6 +27,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from mpjax import _compat
 from mpjax import policy
@@ -118,7 +119,7 @@ def _linear(sides, dn, precision, low):
                 other = _cast(other, low)
 
             def product(carrier):  # called (and traced) within this iteration
-                return transpose(carrier, other, np.ndim(operand), dn, precision, result)
+                return transpose(carrier, other, operand, dn, precision, result)
 
             t = _compat.weight_gradient(product, ct, low) if is_param else product(ct)
             cts.append(t.astype(tangent.dtype))
@@ -127,17 +128,19 @@ def _linear(sides, dn, precision, low):
     return _compat.linear_call(forward, transposed, others, tangents)
 
 
-def _transpose_rhs(ct, x, y_ndim, dn, precision, result_type):
+def _transpose_rhs(ct, x, y, dn, precision, result_type):
     (x_contract, y_contract), (x_batch, y_batch) = dn
     swapped = ((y_contract, x_contract), (y_batch, x_batch))
-    return _transpose_lhs(ct, x, y_ndim, swapped, precision, result_type, swap_ans=True)
+    return _transpose_lhs(ct, x, y, swapped, precision, result_type, swap_ans=True)
 
 
-def _transpose_lhs(ct, y, x_ndim, dn, precision, result_type, swap_ans=False):
-    """The cotangent of a product's left operand (JAX's own transpose rule), as a
-    product of the 16-bit cotangent and right operand returning `result_type`."""
+def _transpose_lhs(ct, y, x, dn, precision, result_type, swap_ans=False):
+    """The cotangent of a product's left operand `x` (JAX's own transpose rule), as
+    a product of the 16-bit cotangent and right operand returning `result_type`,
+    sharded as `x` (explicit sharding asks, when the contraction is over a sharded
+    dimension, as a weight's gradient over a sharded batch is)."""
     (x_contract, y_contract), (x_batch, y_batch) = dn
-    x_kept = _remaining(range(x_ndim), x_contract, x_batch)
+    x_kept = _remaining(range(np.ndim(x)), x_contract, x_batch)
     y_kept = _remaining(range(np.ndim(y)), y_contract, y_batch)
     if swap_ans:
         ans_batch, ans_y, _ = _ranges_like(x_batch, y_kept, x_kept)
@@ -145,9 +148,22 @@ def _transpose_lhs(ct, y, x_ndim, dn, precision, result_type, swap_ans=False):
         ans_batch, _, ans_y = _ranges_like(x_batch, x_kept, y_kept)
     dims = ((ans_y, tuple(y_kept)), (ans_batch, tuple(y_batch)))
     x_contract_sorted_by_y = list(np.take(x_contract, np.argsort(y_contract)))
-    out_axes = np.argsort(list(x_batch) + x_kept + x_contract_sorted_by_y)
-    out = lax.dot_general(ct, y, dims, precision=precision, preferred_element_type=result_type)
-    return lax.transpose(out, tuple(int(a) for a in out_axes))
+    unsorted_axes = list(x_batch) + x_kept + x_contract_sorted_by_y
+    out = lax.dot_general(
+        ct, y, dims, precision=precision, preferred_element_type=result_type,
+        **_sharded_as(x, unsorted_axes),
+    )
+    return lax.transpose(out, tuple(int(a) for a in np.argsort(unsorted_axes)))
+
+
+def _sharded_as(x, axes) -> dict:
+    """``out_sharding`` for a product whose result is `x`'s axes in the order
+    `axes`: `x`'s sharding permuted, or nothing where `x` has no mesh."""
+    sharding = jax.typeof(x).sharding
+    if sharding.mesh.empty:
+        return {}
+    spec = tuple(sharding.spec) + (None,) * (np.ndim(x) - len(sharding.spec))
+    return {"out_sharding": sharding.update(spec=P(*(spec[a] for a in axes)))}
 
 
 def _remaining(original, *removed) -> list:

@@ -572,3 +572,42 @@ def test_a_products_out_sharding_is_kept():
         out, ref = jax.jit(mpjax.autocast(f))(w, x), jax.jit(f)(w, x)
     assert jax.typeof(out) == jax.typeof(ref)
     chex.assert_trees_all_equal(out, ref)
+
+
+def test_gradients_under_explicit_sharding_are_sharded_as_plain_jax(low):
+    """Data parallelism with explicit sharding: the weight gradient of a product
+    contracting over the sharded batch needs the weight's sharding (JAX's
+    transpose supplies it), and an embedding lookup with ``out_sharding=`` runs its
+    index arithmetic in an ``auto_axes`` region, whose mesh its equations keep."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+    use_mesh = getattr(jax.sharding, "use_mesh", None) or jax.set_mesh
+    k = jax.random.split(jax.random.key(0), 4)
+    with use_mesh(mesh):
+        x = jax.device_put(jax.random.normal(k[0], (8, 6, 4)), NamedSharding(mesh, P("a")))
+        ids = jax.device_put(jnp.arange(48).reshape(8, 6) % 10, NamedSharding(mesh, P("a")))
+        params = {
+            name: jax.device_put(jax.random.normal(key, shape) / 2, NamedSharding(mesh, spec))
+            for name, key, shape, spec in [
+                ("embed", k[1], (10, 4), P()),
+                ("w1", k[2], (4, 8), P(None, "b")),
+                ("w2", k[3], (8, 4), P("b")),
+            ]
+        }
+
+        def loss(p, x, ids):
+            h = x + p["embed"].at[ids].get(out_sharding=P("a", None, None))
+            h = jnp.einsum("btd,df->btf", h, p["w1"], out_sharding=P("a", None, None))
+            out = jnp.einsum("btf,fd->btd", jax.nn.gelu(h), p["w2"], out_sharding=P("a"))
+            return jnp.mean(jnp.square(out - x))
+
+        step = jax.jit(jax.value_and_grad(mpjax.autocast(loss, dtype=low)))
+        (value, grads), (value_ref, grads_ref) = step(params, x, ids), jax.jit(
+            jax.value_and_grad(loss)
+        )(params, x, ids)
+    np.testing.assert_allclose(value, value_ref, rtol=2e-2)
+    for name in params:
+        assert jax.typeof(grads[name]) == jax.typeof(grads_ref[name]), name
+        np.testing.assert_allclose(grads[name], grads_ref[name], rtol=5e-2, atol=2e-2)
