@@ -67,13 +67,9 @@ def policy_rule(ctx, eqn, vals, weak):
     if eqn.primitive.name == "convert_element_type":
         return _convert_rule(ctx, eqn, vals, weak)
     lean = ctx.region.lean
-    rule = Rule.ORIGINAL if low is None else policy.rule_for(eqn.primitive.name, lean=lean)
+    rule = Rule.ORIGINAL if low is None else policy.equation_rule(eqn, lean=lean)
     if rule is Rule.LOW and _products.runs_as_written(eqn, vals):
         rule = Rule.ORIGINAL
-    if rule is Rule.WIDEST and _squares(eqn):
-        # ``x * x`` (jnp.linalg.norm, a hand-written RMSNorm) is a square: float32,
-        # as ``square`` and torch's ``pow`` and ``norm``, not 16 bits past 256.
-        rule = policy.rule_for("square", lean=lean)
     if rule is not Rule.ORIGINAL and not _constants.fill_fits(eqn, low):
         rule = Rule.ORIGINAL
     if lean and rule is Rule.FLOAT32 and any(dtype_of(x) in policy.LOW_DTYPES for x in vals):
@@ -107,13 +103,6 @@ def policy_rule(ctx, eqn, vals, weak):
         updates.update(_compat.retype_scalar_jaxpr(eqn.params, dtype_of(args[0])))
     outs = _compat.bind(eqn, *args, **updates)
     return fusions.constant_broadcast(ctx, eqn, args, outs)
-
-
-def _squares(eqn) -> bool:
-    if eqn.primitive.name != "mul":
-        return False
-    a, b = eqn.invars
-    return a is b and not isinstance(a, _compat.Literal)
 
 
 def _float32_accumulator(ctx, eqn, vals) -> bool:
@@ -380,7 +369,7 @@ def float32_only_consumers(jaxpr) -> frozenset:
     """The variables whose every reader is a float32-list primitive."""
     readers: dict = {}
     for eqn in jaxpr.eqns:
-        rule = policy.rule_for(eqn.primitive.name)
+        rule = policy.equation_rule(eqn)
         for v in eqn.invars:
             if not isinstance(v, _compat.Literal):
                 readers.setdefault(v, set()).add(rule)

@@ -242,7 +242,7 @@ def _chain(source, members, eqns, readers) -> Chain | None:
         all(v.aval.dtype in (F32, np.dtype(bool)) for i in members for v in eqns[i].outvars)
         and source.aval.dtype == F32
     )
-    computes_float32 = any(policy.rule_for(eqns[i].primitive.name) is Rule.FLOAT32 for i in members)
+    computes_float32 = any(policy.equation_rule(eqns[i]) is Rule.FLOAT32 for i in members)
     products: set = set()  # filled by _read_by
     if not (written_in_float32 and computes_float32) or not _read_by(
         out, eqns, readers, _PRODUCTS, found=products

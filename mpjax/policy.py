@@ -19,6 +19,8 @@ from collections.abc import Iterable
 import numpy as np
 import jax.numpy as jnp
 
+from mpjax import _compat
+
 
 class Rule(enum.Enum):
     """What autocast does to a primitive's floating-point inputs.
@@ -221,6 +223,16 @@ def rule_for(primitive_name: str, lean: bool = False) -> Rule:
     if lean and primitive_name in LEAN_OVERRIDES:
         return LEAN_OVERRIDES[primitive_name]
     return POLICY.get(primitive_name, Rule.ORIGINAL)
+
+
+def equation_rule(eqn, lean: bool = False) -> Rule:
+    """The rule of one equation: its primitive's, except that a value times itself
+    (``jnp.linalg.norm``, a hand-written RMSNorm) is a square: float32, as
+    ``square`` and torch's ``pow`` and ``norm``, not 16 bits past 256."""
+    a = eqn.invars
+    if eqn.primitive.name == "mul" and a[0] is a[1] and not isinstance(a[0], _compat.Literal):
+        return rule_for("square", lean=lean)
+    return rule_for(eqn.primitive.name, lean=lean)
 
 
 def is_castable(dtype) -> bool:
