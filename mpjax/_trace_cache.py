@@ -4,13 +4,24 @@ An eager call of ``autocast(f)`` traces `f` to a jaxpr before evaluating it unde
 the policy. Called again with arguments of the same signature, it reuses that
 jaxpr, as `jax.jit` reuses its traces: the signature is the argument pytree's
 structure, each array leaf's shape, dtype, weak type and sharding, and the value
-of every other (static) leaf. Calls inside another trace are never cached, since
-values closed over from that trace would be baked into the jaxpr's constants.
+of every other (static) leaf.
+
+Unlike `jax.jit`, a trace is reused only where nothing it holds can have changed
+since: a function that reads arrays from outside its arguments (a model object
+called as the function, a global array) is traced at every call, since a trained
+parameter would otherwise come back with its old value; so is a call with a static
+leaf that could be mutated in place (an object, rather than a number or string).
+Calls inside another trace are never cached, since values closed over from that
+trace would be baked into the jaxpr's constants.
 """
 
 from __future__ import annotations
 
 import collections
+import enum
+import types
+
+import numpy as np
 
 from mpjax import _compat
 
@@ -35,6 +46,8 @@ class TraceCache:
                     (x.shape, x.dtype, getattr(x, "weak_type", False), getattr(x, "sharding", None))
                 )
             else:
+                if not isinstance(x, _IMMUTABLE):
+                    return None  # an attribute `fun` reads may change before the next call
                 # 1, 1.0 and True trace differently, and so do 0.0 and -0.0
                 # (equal, but ``x / s`` is inf for one, -inf for the other).
                 statics.append((type(x), x.hex() if isinstance(x, float) else x))
@@ -57,9 +70,14 @@ class TraceCache:
         return entry
 
     def put(self, key, closed, out_shape) -> None:
-        """Stores a trace, unless its constants hold tracers of an outer trace."""
-        if key is None or any(_compat.is_tracer(c) for c in _compat.jaxpr_and_consts(closed)[1]):
+        """Stores a trace, unless it has constants: arrays `fun` read from outside
+        its arguments (parameters that training replaces, tracers of an outer trace)."""
+        if key is None or _compat.jaxpr_and_consts(closed)[1]:
             return
         self._entries[key] = (closed, out_shape)
         if len(self._entries) > self.maxsize:
             self._entries.popitem(last=False)
+
+
+# Static leaves whose value is all a trace can have read from them.
+_IMMUTABLE = (bool, int, float, complex, str, bytes, types.NoneType, type, enum.Enum, np.dtype)

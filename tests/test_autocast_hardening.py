@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from conftest import F16, F32, all_eqns, rel_tol
 
 import mpjax
@@ -308,6 +309,29 @@ def test_eager_cache_never_keeps_values_of_an_outer_trace():
     inner = mpjax.autocast(lambda x: x + 1.0)
     np.testing.assert_array_equal(jax.jit(lambda y: inner(jnp.ones(3)) * y)(2.0), 4.0)
     np.testing.assert_array_equal(inner(jnp.ones(3)), 2.0)
+
+
+def test_eager_calls_see_arrays_and_objects_that_changed_since_the_last_call():
+    """A trace is reused only where nothing it read can have changed: a model
+    object wrapped as the function, a global array, a config object argument."""
+    x = jnp.ones((1, 2))
+    weights = {"w": jnp.ones((2, 2))}
+    predict = mpjax.autocast(lambda x: x @ weights["w"])
+    np.testing.assert_array_equal(predict(x), [[2.0, 2.0]])
+    weights["w"] = weights["w"] * 10  # trained further
+    np.testing.assert_array_equal(predict(x), [[20.0, 20.0]])
+
+    config = type("Config", (), {"temperature": 1.0})()
+    scaled = mpjax.autocast(lambda x, c: x / c.temperature)
+    np.testing.assert_array_equal(scaled(x, config), x)
+    config.temperature = 4.0
+    np.testing.assert_array_equal(scaled(x, config), x / 4)
+
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    forward = mpjax.autocast(model)
+    forward(x)
+    model.kernel[...] = model.kernel[...] * 10
+    np.testing.assert_allclose(forward(x), model(x), rtol=1e-2)
 
 
 # --- nested loops: trace time linear in the depth ----------------------------------
