@@ -65,7 +65,9 @@ def scaled_value_and_grad(
       A function with `fun`'s signature returning ``(value, grads)``.
 
     Raises:
-      ValueError: if `opt_state` holds no `GradScalerState` (or several); when
+      ValueError: if `opt_state` holds no `GradScalerState` (or several, or one
+        inside ``optax.MultiSteps``, ``optax.multi_transform`` or
+        ``optax.apply_if_finite``, where it trains wrongly); when
         called, if `fun` does not return a scalar floating loss (or a
         ``(loss, aux)`` pair with `has_aux`), with the fix in the message.
       TypeError: if `fun` is not callable.

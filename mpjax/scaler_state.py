@@ -2,8 +2,9 @@
 
 `GradScalerState` is what `grad_scaler`, `static_scaler` and `noop_scaler` keep in
 the optimizer state. The helpers find it wherever it sits (inside
-``optax.chain``, ``optax.MultiSteps``, ``optax.inject_hyperparams``,
-``optax.multi_transform``, a ``flax.nnx.Optimizer``) and give torch's
+``optax.chain``, ``optax.inject_hyperparams``, a ``flax.nnx.Optimizer``; around
+``optax.multi_transform`` or ``optax.MultiSteps``, never inside them: that is an
+error) and give torch's
 ``get_scale()`` and ``update(new_scale)``, and the numbers to log.
 `mpjax.scaler` re-exports them all.
 """
@@ -152,15 +153,17 @@ def get_scale(opt_state: Any) -> jax.Array:
 
     Args:
       opt_state: an optimizer state holding exactly one `GradScalerState`
-        anywhere inside (``optax.chain``, ``optax.MultiSteps``,
-        ``optax.inject_hyperparams``, ``optax.multi_transform``, a
-        ``flax.nnx.Optimizer`` or its ``opt_state``).
+        anywhere inside (``optax.chain``, ``optax.inject_hyperparams``, a
+        ``flax.nnx.Optimizer`` or its ``opt_state``), and not inside
+        ``optax.MultiSteps``, ``optax.multi_transform`` or
+        ``optax.apply_if_finite``.
 
     Returns:
       The float32 scalar scale (a device array; no host sync).
 
     Raises:
-      ValueError: if `opt_state` holds no `GradScalerState`, or several.
+      ValueError: if `opt_state` holds no `GradScalerState`, or several, or
+        one inside a wrapper it cannot work in (``optax.MultiSteps``...).
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -189,8 +192,9 @@ def set_scale(opt_state: Any, new_scale: float | jax.Array) -> Any:
       A new optimizer state of the same structure.
 
     Raises:
-      ValueError: if `opt_state` holds no `GradScalerState` or several, or a
-        concrete `new_scale` is not a finite number >= 2**-126.
+      ValueError: if `opt_state` holds no `GradScalerState` or several, or one
+        inside a wrapper it cannot work in, or a concrete `new_scale` is not a
+        finite number >= 2**-126.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -234,7 +238,8 @@ def scaler_stats(opt_state: Any) -> dict[str, jax.Array]:
       not finite in the latest effective step).
 
     Raises:
-      ValueError: if `opt_state` holds no `GradScalerState`, or several.
+      ValueError: if `opt_state` holds no `GradScalerState`, or several, or
+        one inside a wrapper it cannot work in (``optax.MultiSteps``...).
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -281,14 +286,15 @@ def _find_state(opt_state: Any, caller: str) -> GradScalerState:
 
     search(opt_state, ())
     if len(found) == 1:
+        _check_not_hidden(opt_state, found[0][1], caller)
         return found[0][1]
     if not found:
         raise ValueError(
             f"{caller}: no GradScalerState found in `opt_state` (a "
             f"{type(opt_state).__name__}). Build the optimizer with "
             "mpjax.grad_scaler(inner) (or static_scaler/noop_scaler); it may sit "
-            "anywhere inside optax.chain, MultiSteps, inject_hyperparams, "
-            "multi_transform or an nnx.Optimizer. Pass the state its init returned."
+            "anywhere inside optax.chain, inject_hyperparams or an nnx.Optimizer. "
+            "Pass the state its init returned."
         )
     paths = ", ".join(jax.tree_util.keystr(path) or "<root>" for path, _ in found)
     raise ValueError(
@@ -297,6 +303,40 @@ def _find_state(opt_state: Any, caller: str) -> GradScalerState:
         "single grad_scaler (e.g. grad_scaler(optax.multi_transform(...))) rather "
         "than each part, or pass the sub-state of the scaler you mean."
     )
+
+
+# Wrappers a scaler cannot work inside, and why: each trains wrongly without an error.
+_MISPLACED = {
+    optax.ApplyIfFiniteState: (
+        "the grad_scaler is wrapped in optax.apply_if_finite, which skips non-finite "
+        "steps before the scaler sees them: the scale never backs off and "
+        "skipped_steps stays 0. grad_scaler skips those steps itself: drop "
+        "apply_if_finite."
+    ),
+    optax.MultiStepsState: (
+        "the grad_scaler is wrapped in optax.MultiSteps, which resets its accumulator "
+        "by multiplying it by 0: one overflowing micro-batch leaves a NaN there (0 * "
+        "inf), and every later step is skipped. Accumulate in the scaler instead: "
+        "grad_scaler(inner, accumulation_steps=k)."
+    ),
+    optax.MaskedState: (
+        "the grad_scaler sits inside optax.multi_transform (or optax.masked), so it "
+        "sees only part of the parameters: the others' gradients are not checked, and "
+        "an overflow there (their loss is scaled too) is applied. Wrap the whole "
+        "optimizer: grad_scaler(optax.multi_transform(...))."
+    ),
+}
+
+
+def _check_not_hidden(opt_state, target, caller: str) -> None:
+    """A ValueError if `target` sits inside one of the `_MISPLACED` wrappers."""
+    wrappers = tuple(_MISPLACED)
+    flat = jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, wrappers))
+    for node in flat:
+        if isinstance(node, wrappers) and any(
+            x is target for x in jax.tree_util.tree_leaves(node, is_leaf=_is_scaler_state)
+        ):
+            raise ValueError(f"{caller}: {_MISPLACED[type(node)]}")
 
 
 def _value(field, dtype=None):

@@ -45,17 +45,55 @@ def _wrapped_optimizers():
     return {
         "bare": scaled,
         "chain": optax.chain(optax.clip(1.0), scaled, optax.scale(1.0)),
-        "multi_steps": optax.MultiSteps(scaled, every_k_schedule=2),
         "inject_hyperparams": optax.inject_hyperparams(
             lambda learning_rate: grad_scaler(optax.sgd(learning_rate), init_scale=2.0**8)
         )(learning_rate=0.1),
-        "multi_transform": optax.multi_transform(
-            {"s": scaled, "n": optax.set_to_zero()}, {"a": "s", "b": "n"}
+        "around_multi_transform": grad_scaler(
+            optax.multi_transform(
+                {"s": optax.adam(1e-3), "n": optax.set_to_zero()}, {"a": "s", "b": "n"}
+            ),
+            init_scale=2.0**8,
         ),
-        "chain_in_multi_steps": optax.MultiSteps(
-            optax.chain(optax.identity(), scaled), every_k_schedule=3
+        "around_multi_steps": grad_scaler(
+            optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2).gradient_transformation(),
+            init_scale=2.0**8,
         ),
     }
+
+
+def _misplaced_scalers():
+    """Wrappers a scaler trains wrongly inside, without an error of its own:
+    name -> (optimizer, the wrapper the error names)."""
+    scaled = grad_scaler(optax.adam(1e-3))
+    return {
+        # MultiSteps' reset (acc * 0) turns one overflowing micro-batch into NaN for good.
+        "multi_steps": (optax.MultiSteps(scaled, every_k_schedule=2), "MultiSteps"),
+        "chain_in_multi_steps": (
+            optax.MultiSteps(optax.chain(optax.identity(), scaled), 3),
+            "MultiSteps",
+        ),
+        # Only part of the parameters checked; the loss is scaled for all of them.
+        "multi_transform": (
+            optax.multi_transform({"s": scaled, "n": optax.sgd(0.1)}, {"a": "s", "b": "n"}),
+            "multi_transform",
+        ),
+        # Skips the overflowing steps before the scaler sees them: no backoff.
+        "apply_if_finite": (
+            optax.apply_if_finite(scaled, max_consecutive_errors=5),
+            "apply_if_finite",
+        ),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_misplaced_scalers()))
+def test_a_scaler_inside_a_wrapper_that_breaks_it_is_an_error(kind):
+    tx, wrapper = _misplaced_scalers()[kind]
+    state = tx.init(PARAMS)
+    for helper in (get_scale, scaler_stats, lambda s: set_scale(s, 2.0)):
+        with pytest.raises(ValueError, match=wrapper):
+            helper(state)
+    with pytest.raises(ValueError, match=f"scaled_value_and_grad: .*{wrapper}"):
+        scaled_value_and_grad(lambda p: jnp.sum(p["a"] ** 2), state)
 
 
 @pytest.mark.parametrize("kind", list(_wrapped_optimizers()))
@@ -597,5 +635,5 @@ def test_user_guide_examples_run():
         if i == 0:  # the lead example: two float16 overflows, then a step
             stats = namespace["stats"]
             assert (float(stats["scale"]), int(stats["skipped_steps"])) == (16384.0, 2)
-    assert int(scaler_stats(namespace["state"])["skipped_steps"]) == 3  # MultiSteps
+    assert int(namespace["state"].inner_opt_state.skipped_steps) == 3  # MultiSteps
     assert np.isnan(namespace["state"].acc_grads[0])

@@ -42,7 +42,8 @@ print(f"loss {value:.4f}")
 # Why not optax.MultiSteps(grad_scaler(...))? MultiSteps resets its accumulator by
 # multiplying it by 0. One overflowing
 # micro-batch (normal with dynamic scaling) leaves an inf there, 0 * inf is NaN,
-# and every later effective step is skipped: training silently stops.
+# and every later effective step is skipped: training silently stops. mpjax's
+# helpers refuse a scaler inside MultiSteps.
 grad = {"w": jnp.ones(3)}
 overflow = {"w": jnp.array([1.0, jnp.inf, 1.0])}
 stream = [grad, overflow] + [grad] * 8              # one bad micro-batch, then good ones
@@ -55,8 +56,12 @@ for g in stream:
     _, trap_state = trap_update(g, trap_state)
     _, right_state = right_update(g, right_state)
 print("skipped effective steps, MultiSteps around the scaler:",
-      int(mpjax.scaler_stats(trap_state)["skipped_steps"]))       # 5 of 5
+      int(trap_state.inner_opt_state.skipped_steps))            # 5 of 5
 print("skipped effective steps, accumulation_steps=2:        ",
       int(mpjax.scaler_stats(right_state)["skipped_steps"]))      # 1 of 5
-assert mpjax.scaler_stats(trap_state)["skipped_steps"] == 5
+assert trap_state.inner_opt_state.skipped_steps == 5
 assert mpjax.scaler_stats(right_state)["skipped_steps"] == 1
+try:
+    mpjax.scaler_stats(trap_state)
+except ValueError as e:
+    print(e)  # scaler_stats: the grad_scaler is wrapped in optax.MultiSteps, ...
