@@ -51,6 +51,7 @@ def grad_scaler_config(
 ) -> ScalerConfig:
     """`grad_scaler`'s arguments, checked."""
     name = "grad_scaler"
+    steps, accumulation = check_accumulation(name, accumulation_steps, accumulation)
     enabled = check_bool(name, "enabled", enabled)
     init_scale = check_number(
         name, "init_scale", init_scale, "a finite number > 0", lambda v: 0 < v < math.inf
@@ -83,8 +84,8 @@ def grad_scaler_config(
         min_scale=min_scale,
         dynamic=True,
         enabled=enabled,
-        accumulation_steps=(steps := check_int(name, "accumulation_steps", accumulation_steps)),
-        accumulation=check_accumulation(name, steps, accumulation),
+        accumulation_steps=steps,
+        accumulation=accumulation,
         axis_name=axis_name,
         check_updates=check_bool(name, "check_updates", check_updates),
     )
@@ -98,12 +99,24 @@ def check_bool(fn: str, name: str, value) -> bool:
     raise ValueError(f"{fn}: {name} must be True or False, got {value!r}.")
 
 
-def check_accumulation(fn: str, steps: int, accumulation) -> str:
-    """How micro-batch gradients combine: required as soon as there are several."""
-    if accumulation in ("mean", "sum"):
-        return accumulation
-    if accumulation is None and steps == 1:
-        return "mean"  # one micro-batch: mean and sum agree
+def check_accumulation(fn: str, accumulation_steps, accumulation) -> tuple[int, str]:
+    """(steps, how micro-batch gradients combine): `accumulation` is required as
+    soon as there are several micro-batches, and an error without
+    `accumulation_steps` (None: not given)."""
+    if accumulation_steps is None:
+        if accumulation is not None:
+            # A loop that divides its loss by k but steps on every micro-batch
+            # takes k steps of 1/k gradients.
+            raise ValueError(
+                f"{fn}(accumulation={accumulation!r}) without accumulation_steps: the "
+                "scaler would step on every micro-batch. Pass accumulation_steps=k (the "
+                "number of micro-batches per optimizer step) with it, or leave "
+                "accumulation out."
+            )
+        return 1, "mean"
+    steps = check_int(fn, "accumulation_steps", accumulation_steps)
+    if accumulation in ("mean", "sum") or (accumulation is None and steps == 1):
+        return steps, accumulation or "mean"  # one micro-batch: mean and sum agree
     raise ValueError(
         f"{fn}(accumulation_steps={steps}): pass accumulation='mean' if each "
         "micro-batch's loss is a mean over its own examples (as with optax.MultiSteps), "

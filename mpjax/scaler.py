@@ -61,7 +61,6 @@ from mpjax._scaler_checks import (
     check_accumulation,
     check_bool,
     check_inner,
-    check_int,
     check_no_float16,
     check_static_scale,
     grad_scaler_config,
@@ -103,7 +102,7 @@ def grad_scaler(
     growth_interval: int = 2000,
     min_scale: float = DEFAULT_MIN_SCALE,
     enabled: bool = True,
-    accumulation_steps: int = 1,
+    accumulation_steps: int | None = None,
     accumulation: str | None = None,
     axis_name: Hashable | Sequence[Hashable] | None = None,
     check_updates: bool = False,
@@ -129,14 +128,16 @@ def grad_scaler(
       min_scale: floor of the scale, a normal float32 (>= 2**-126), <= ``init_scale``.
       enabled: if False, a no-op scaler: scale 1.0, gradients unchanged, ``inner``'s
         updates always applied (same state structure: checkpoints interchange).
-      accumulation_steps: number k of micro-batches per effective batch: each
-        ``update`` adds one micro-batch's gradients in float32 (and returns zero
-        updates); the k-th checks them, steps ``inner`` and updates the scale. The
-        reset is a selection (not ``* 0``): an inf cannot poison the next batch.
+      accumulation_steps: number k of micro-batches per effective batch (None:
+        one, no accumulation). Each ``update`` adds one micro-batch's gradients in
+        float32 (and returns zero updates); the k-th checks them, steps ``inner``
+        and updates the scale. The reset is a selection (not ``* 0``): an inf
+        cannot poison the next batch.
       accumulation: required with ``accumulation_steps > 1``: ``"mean"`` if each
         micro-batch's loss is a mean over its own examples (as ``optax.MultiSteps``),
         ``"sum"`` if the loss is already divided by k (PyTorch's recipe). Both give
         the mean gradient; naming it keeps a ported loop from stepping k times short.
+        Given without ``accumulation_steps``, it is an error.
       axis_name: for ``update`` called inside ``shard_map`` or ``pmap`` on per-device
         gradients: the mapped axis name (or names) over which the finite check is
         combined, so every device makes the same skip decision. Not needed under plain
@@ -180,7 +181,7 @@ def static_scaler(
     inner: optax.GradientTransformation,
     scale: float,
     *,
-    accumulation_steps: int = 1,
+    accumulation_steps: int | None = None,
     accumulation: str | None = None,
     axis_name: Hashable | Sequence[Hashable] | None = None,
     check_updates: bool = False,
@@ -220,7 +221,7 @@ def static_scaler(
     """
     check_inner("static_scaler", inner)
     scale = check_static_scale(scale)
-    steps = check_int("static_scaler", "accumulation_steps", accumulation_steps)
+    steps, accumulation = check_accumulation("static_scaler", accumulation_steps, accumulation)
     config = ScalerConfig(
         init_scale=scale,
         growth_factor=2.0,
@@ -230,7 +231,7 @@ def static_scaler(
         dynamic=False,
         enabled=True,
         accumulation_steps=steps,
-        accumulation=check_accumulation("static_scaler", steps, accumulation),
+        accumulation=accumulation,
         axis_name=axis_name,
         check_updates=check_bool("static_scaler", "check_updates", check_updates),
     )
@@ -240,7 +241,7 @@ def static_scaler(
 def noop_scaler(
     inner: optax.GradientTransformation,
     *,
-    accumulation_steps: int = 1,
+    accumulation_steps: int | None = None,
     accumulation: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """``grad_scaler(inner, enabled=False)``: scale 1.0, no checks, no skipping.

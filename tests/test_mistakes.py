@@ -154,6 +154,20 @@ def test_accumulation_without_its_semantics_is_an_error(factory):
         mpjax.static_scaler(optax.sgd(1.0), 8.0, accumulation_steps=2, accumulation="avg")
 
 
+@pytest.mark.parametrize("accumulation", ["sum", "mean"])
+def test_accumulation_without_accumulation_steps_is_an_error(accumulation):
+    """A ported loop that divides its loss by k and passes accumulation= but not
+    accumulation_steps would step on every micro-batch."""
+    for make in (
+        lambda **kw: mpjax.grad_scaler(optax.adam(1e-3), **kw),
+        lambda **kw: mpjax.static_scaler(optax.adam(1e-3), 8.0, **kw),
+        lambda **kw: mpjax.noop_scaler(optax.adam(1e-3), **kw),
+    ):
+        with pytest.raises(ValueError, match="without accumulation_steps.*accumulation_steps=k"):
+            make(accumulation=accumulation)
+        make(accumulation=accumulation, accumulation_steps=1)  # k from a config: fine
+
+
 def test_float16_parameters_are_refused_at_init():
     params = {"dense": {"kernel": jnp.ones((4, 4), jnp.float16), "bias": jnp.zeros(4)}}
     with pytest.raises(ValueError, match=r"\['dense'\]\['kernel'\] are float16.*float32"):
