@@ -138,12 +138,35 @@ def autocast(
     """
     low, reduce_low = _check_options(dtype, enabled, policy, reduce_dtype)
     if fun is None:
-        return functools.partial(
-            autocast, dtype=low, enabled=enabled, policy=policy, reduce_dtype=reduce_dtype
+        return _Decorator(
+            functools.partial(
+                autocast, dtype=low, enabled=enabled, policy=policy, reduce_dtype=reduce_dtype
+            )
         )
     _check_fun(fun)
     region = Region(low if enabled else None, enabled and policy == "lean", reduce_low)
     return _wrap(fun, region, enabled)
+
+
+class _Decorator:
+    """``autocast(dtype=...)`` without a function: a decorator, and a clear error
+    for ``with autocast(...):``, torch's spelling."""
+
+    def __init__(self, apply):
+        self._apply = apply
+
+    def __call__(self, fun):
+        return self._apply(fun)
+
+    def __enter__(self):
+        raise TypeError(
+            "mpjax.autocast is a function transform, not a context manager: wrap the "
+            "function that computes the loss, autocast(loss_fn)(params, batch), or "
+            "decorate it with @autocast or @autocast(dtype=jnp.bfloat16)."
+        )
+
+    def __exit__(self, *exc):  # pragma: no cover - __enter__ always raises
+        return False
 
 
 def _check_options(dtype, enabled, policy, reduce_dtype) -> tuple[np.dtype, bool]:

@@ -179,8 +179,10 @@ def _scalar(fn: str, name: str, value):
     if _compat.is_tracer(value):
         raise ValueError(
             f"{fn}: {name} must be a concrete number, got a traced value: the scaler's "
-            "settings are fixed when it is built. Build it outside the jitted function, "
-            "or use set_scale on the state to change the scale as training goes."
+            "settings are fixed when it is built. Build it outside the jitted function "
+            "(under optax.inject_hyperparams, name the setting in static_args, e.g. "
+            f"static_args=('{name}',)), or use set_scale on the state to change the "
+            "scale as training goes."
         )
     if isinstance(value, (jax.Array, np.ndarray)) and np.ndim(value) == 0:
         return np.asarray(value)[()]

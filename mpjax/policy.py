@@ -208,7 +208,9 @@ def rule_for(primitive_name: str, lean: bool = False) -> Rule:
     """The rule autocast applies to a primitive, by name.
 
     Args:
-      primitive_name: e.g. ``"dot_general"``, as ``eqn.primitive.name`` gives it.
+      primitive_name: e.g. ``"dot_general"``, as ``eqn.primitive.name`` gives it
+        (or the primitive itself, ``jax.lax.dot_general_p``). Names are JAX's
+        primitives', not torch's: an unknown name runs as written.
       lean: the rule under ``autocast(..., policy="lean")``.
 
     Examples:
@@ -220,6 +222,14 @@ def rule_for(primitive_name: str, lean: bool = False) -> Rule:
       >>> rule_for("a_primitive_mpjax_does_not_know")
       <Rule.ORIGINAL: 'original'>
     """
+    if not isinstance(primitive_name, str):
+        name = getattr(primitive_name, "name", None)  # a Primitive: jax.lax.exp_p
+        if not isinstance(name, str):
+            raise TypeError(
+                f"rule_for(primitive_name): expected a primitive's name such as "
+                f"'dot_general' (eqn.primitive.name), got {type(primitive_name).__name__}."
+            )
+        primitive_name = name
     if lean and primitive_name in LEAN_OVERRIDES:
         return LEAN_OVERRIDES[primitive_name]
     return POLICY.get(primitive_name, Rule.ORIGINAL)

@@ -195,6 +195,7 @@ def set_scale(opt_state: Any, new_scale: float | jax.Array) -> Any:
       ValueError: if `opt_state` holds no `GradScalerState` or several, or one
         inside a wrapper it cannot work in, or a concrete `new_scale` is not a
         finite number >= 2**-126.
+      TypeError: if `new_scale` is neither a number nor an array.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -204,6 +205,13 @@ def set_scale(opt_state: Any, new_scale: float | jax.Array) -> Any:
       Array(1024., dtype=float32)
     """
     target = _find_state(opt_state, "set_scale")
+    if isinstance(new_scale, (bool, np.bool_)) or not isinstance(
+        new_scale, (numbers.Real, jax.Array, np.ndarray, np.floating)
+    ):
+        raise TypeError(
+            f"set_scale: new_scale must be a number or a float32 scalar array, got "
+            f"{type(new_scale).__name__} {new_scale!r}."
+        )
     if isinstance(new_scale, numbers.Real) and not (
         MIN_NORMAL_F32 <= float(new_scale) <= float(np.finfo(np.float32).max)
     ):
@@ -289,6 +297,19 @@ def _find_state(opt_state: Any, caller: str) -> GradScalerState:
         _check_not_hidden(opt_state, found[0][1], caller)
         return found[0][1]
     if not found:
+        fields = set(GradScalerState._fields)
+        if any(
+            isinstance(x, Mapping) and fields <= set(x)
+            for x in jax.tree_util.tree_leaves(
+                opt_state, is_leaf=lambda x: isinstance(x, Mapping) and fields <= set(x)
+            )
+        ):
+            raise ValueError(
+                f"{caller}: `opt_state` holds the GradScalerState's fields as a dict: a "
+                "checkpoint restored without a target structure. Restore into the "
+                "structure tx.init(params) returns (flax.serialization.from_bytes("
+                "tx.init(params), data), or orbax's restore with it as target)."
+            )
         raise ValueError(
             f"{caller}: no GradScalerState found in `opt_state` (a "
             f"{type(opt_state).__name__}). Build the optimizer with "

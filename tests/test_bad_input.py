@@ -25,6 +25,11 @@ remaining inputs.
 | the same helpers on a state holding two scalers                  | ValueError: "found 2 GradScalerStates ... (at <paths>) ... Wrap the whole optimizer in a single grad_scaler" |
 | ``grad_scaler(...).update`` on a state that holds no scaler (e.g. a pre-mpjax checkpoint) | TypeError naming ``state`` and GradScalerState, and how to restore into ``tx.init(params)`` |
 | the same on a scaler's checkpoint restored without a target (a plain dict of its fields) | TypeError saying the restore lacked a target structure, and how to restore into ``tx.init(params)`` |
+| the helpers on such a restored checkpoint                          | ValueError saying the restore lacked a target structure |
+| ``set_scale(state, None / "1024" / True / [2.0])``                 | TypeError naming ``new_scale`` |
+| ``with autocast():`` (torch's spelling)                            | TypeError: autocast is a function transform, not a context manager, and how to wrap |
+| ``rule_for(42)``; ``rule_for(jax.lax.exp_p)``                        | TypeError naming ``primitive_name``; a primitive is read by its name |
+| a scaler setting injected by ``optax.inject_hyperparams`` (traced)   | the traced-setting ValueError names ``static_args`` |
 | a scaler inside a scaler                                          | the helpers' ValueError gives the inner one's path, ``.inner_state`` included |
 | ``enabled`` or ``check_updates`` other than True / False (``"false"`` from a config file, ``None``, ``0.0``) | ValueError naming the argument |
 | settings as 0-d JAX or NumPy arrays (``init_scale=jnp.float32(4.0)``)  | taken as the numbers they hold; a traced one is a ValueError: settings are fixed when the scaler is built (``set_scale`` changes the scale) |
@@ -436,6 +441,14 @@ def test_settings_given_as_jax_or_numpy_scalars_are_taken_as_numbers():
 def test_a_traced_setting_says_settings_are_fixed_when_the_scaler_is_built():
     with pytest.raises(ValueError, match=r"grad_scaler: init_scale must be a concrete number"):
         jax.jit(lambda s: grad_scaler(optax.sgd(0.1), init_scale=s).init(PARAMS))(4.0)
+    # inject_hyperparams traces every hyperparameter: the message names its fix.
+    tx = optax.inject_hyperparams(
+        lambda learning_rate, init_scale: grad_scaler(
+            optax.sgd(learning_rate), init_scale=init_scale
+        )
+    )(learning_rate=0.1, init_scale=1024.0)
+    with pytest.raises(ValueError, match=r"static_args=\('init_scale',\)"):
+        jax.jit(tx.update)(PARAMS, tx.init(PARAMS), PARAMS)
 
 
 def test_a_scaler_inside_a_scaler_is_reported_at_its_path():
@@ -455,6 +468,29 @@ def test_a_checkpoint_restored_without_a_target_says_so():
     raw = serialization.msgpack_restore(serialization.to_bytes(tx.init(PARAMS)))
     with pytest.raises(TypeError, match=r"restored without a target structure.*tx\.init\(param"):
         tx.update(PARAMS, raw, PARAMS)
+    for helper in (get_scale, scaler_stats, lambda s: scaled_value_and_grad(jnp.sum, s)):
+        with pytest.raises(ValueError, match=r"restored without a target structure"):
+            helper(raw)
+
+
+@pytest.mark.parametrize("value", [None, "1024", True, [2.0]])
+def test_set_scale_of_something_else_than_a_number_names_new_scale(value):
+    state = grad_scaler(optax.sgd(0.1)).init(PARAMS)
+    with pytest.raises(TypeError, match=r"set_scale: new_scale must be a number"):
+        set_scale(state, value)
+
+
+def test_autocast_as_a_context_manager_says_it_is_a_function_transform():
+    for made in (mpjax.autocast(), mpjax.autocast(dtype=jnp.bfloat16)):
+        with pytest.raises(TypeError, match=r"function transform, not a context manager"):
+            with made:
+                pass
+
+
+def test_rule_for_takes_a_name_or_a_primitive():
+    assert mpjax.rule_for(jax.lax.exp_p) is mpjax.rule_for("exp") is mpjax.Rule.FLOAT32
+    with pytest.raises(TypeError, match=r"rule_for\(primitive_name\): expected a primitive"):
+        mpjax.rule_for(42)
 
 
 @pytest.mark.parametrize("value", [0.0, -2.0, float("nan"), 1e39])
