@@ -66,8 +66,7 @@ def scaled_value_and_grad(
 
     Raises:
       ValueError: if `opt_state` holds no `GradScalerState` (or several, or one
-        inside ``optax.MultiSteps``, ``optax.multi_transform`` or
-        ``optax.apply_if_finite``, where it trains wrongly); when
+        inside a wrapper it trains wrongly in, e.g. ``optax.MultiSteps``); when
         called, if `fun` does not return a scalar floating loss (or a
         ``(loss, aux)`` pair with `has_aux`), with the fix in the message.
       TypeError: if `fun` is not callable.

@@ -128,16 +128,14 @@ def grad_scaler(
       min_scale: floor of the scale, a normal float32 (>= 2**-126), <= ``init_scale``.
       enabled: if False, a no-op scaler: scale 1.0, gradients unchanged, ``inner``'s
         updates always applied (same state structure: checkpoints interchange).
-      accumulation_steps: number k of micro-batches per effective batch (None:
-        one, no accumulation). Each ``update`` adds one micro-batch's gradients in
-        float32 (and returns zero updates); the k-th checks them, steps ``inner``
-        and updates the scale. The reset is a selection (not ``* 0``): an inf
-        cannot poison the next batch.
+      accumulation_steps: micro-batches per effective batch, k (None: one). Each
+        ``update`` adds one micro-batch's gradients in float32 (and returns zero
+        updates); the k-th checks them, steps ``inner`` and updates the scale. The
+        reset is a selection (not ``* 0``): an inf cannot poison the next batch.
       accumulation: required with ``accumulation_steps > 1``: ``"mean"`` if each
         micro-batch's loss is a mean over its own examples (as ``optax.MultiSteps``),
-        ``"sum"`` if the loss is already divided by k (PyTorch's recipe). Both give
-        the mean gradient; naming it keeps a ported loop from stepping k times short.
-        Given without ``accumulation_steps``, it is an error.
+        ``"sum"`` if the loss is already divided by k (PyTorch's recipe); an error
+        without ``accumulation_steps``. Both give the mean gradient.
       axis_name: for ``update`` called inside ``shard_map`` or ``pmap`` on per-device
         gradients: the mapped axis name (or names) over which the finite check is
         combined, so every device makes the same skip decision. Not needed under plain
