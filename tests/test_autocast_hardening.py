@@ -163,6 +163,14 @@ def test_explicit_highest_precision_product_runs_as_written():
         ]
     assert dot.invars[0].aval.dtype == F16
 
+    # The context inside the function writes HIGHEST into its products, as an
+    # explicit precision= does: they run as written (documented in policy.md).
+    def inside(w, x):
+        with jax.default_matmul_precision("float32"):
+            return x @ w
+
+    np.testing.assert_array_equal(jax.jit(mpjax.autocast(inside))(w, x), inside(w, x))
+
 
 # --- Flax NNX's functional API: nnx.State arguments and outputs are pytrees --------
 
