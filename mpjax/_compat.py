@@ -200,12 +200,14 @@ def retype_scalar_jaxpr(params, dtype):
 def custom_jvp_rule(params, num_args: int):
     """The jvp rule of a custom_jvp equation, traced at the original dtypes.
 
-    Returns ``(jaxpr, consts, out_zeros)``: the jaxpr maps ``(*primals,
-    *tangents)`` to ``(*primal_outs, *nonzero_tangent_outs)``; ``out_zeros[i]``
-    says the i-th output tangent is a symbolic zero left out of the jaxpr.
+    Returns ``(jaxpr, consts, leading, out_zeros)``: the jaxpr maps ``(*leading,
+    *primals, *tangents)`` (jax 0.12's detached consts lead) to ``(*primal_outs,
+    *nonzero_tangent_outs)``; ``out_zeros[i]``: the i-th tangent is a symbolic zero.
     """
     jaxpr, consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(*[False] * num_args)
-    return jaxpr, consts, list(out_zeros)
+    if len(jaxpr.constvars) < len(consts):
+        return jaxpr, [], list(consts), list(out_zeros)
+    return jaxpr, consts, [], list(out_zeros)
 
 
 def sub_jaxprs(params):
@@ -220,8 +222,8 @@ def weight_gradient(product, ct, low):
     `low` everywhere but for bfloat16 on the CPU backend, whose dot kernel
     rejects bfloat16 x bfloat16 -> float32 products in the layouts XLA gives
     weight gradients ("Unsupported element type for DotThunk"): there the
-    cotangent's bfloat16 values go as float32, exactly (and so, promoted, do the
-    other operand's), and the backend sums the same products in float32. The choice is
+    cotangent's bfloat16 values go as float32, exactly (as do the other operand's),
+    and the backend sums the same products in float32. The choice is
     made where the program is lowered, for the platform it is lowered for
     (``lax.platform_dependent``), not by the backend this process happens to
     default to: a program exported or compiled ahead of time for a GPU on a

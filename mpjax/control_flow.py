@@ -66,7 +66,9 @@ def _custom_jvp(ctx: Context, eqn, vals, weak):
         return _compat.bind(eqn, *vals)
     params = eqn.params
     n_consts = params["num_consts"]
-    rule, rule_consts, out_zeros = _compat.custom_jvp_rule(params, len(vals) - n_consts)
+    rule, rule_consts, leading, out_zeros = _compat.custom_jvp_rule(
+        params, len(vals) - n_consts
+    )
 
     def primal(*args):
         outs, _ = eval_closed(ctx.child(), params["call_jaxpr"], list(args), weak)
@@ -76,13 +78,16 @@ def _custom_jvp(ctx: Context, eqn, vals, weak):
         out_avals = jax.eval_shape(primal, *primals)
         n_args = len(primals) - n_consts
         child = ctx.child()
-        outs, _ = eval_jaxpr(
-            child,
-            rule,
-            rule_consts,
-            [*primals[n_consts:], *tangents[n_consts:]],
-            [*weak[n_consts:], *[False] * n_args],
-        )
+        try:
+            outs, _ = eval_jaxpr(
+                child,
+                rule,
+                rule_consts,
+                [*leading, *primals[n_consts:], *tangents[n_consts:]],
+                [False] * len(leading) + [*weak[n_consts:], *[False] * n_args],
+            )
+        except jax.errors.UnexpectedTracerError as e:
+            raise TypeError(_CLOSED_OVER.format(_compat.user_frame(eqn))) from e
         n = len(out_avals)
         nonzero = iter(outs[n:])
         tangent_outs = [
@@ -96,6 +101,15 @@ def _custom_jvp(ctx: Context, eqn, vals, weak):
     rebuilt = jax.custom_jvp(primal)
     rebuilt.defjvp(lambda primals, tangents: jvp(list(primals), list(tangents)))
     return list(rebuilt(*vals))
+
+
+_CLOSED_OVER = (
+    "mpjax.autocast: the jax.custom_jvp function called at {} reads, in its jvp rule, "
+    "a value computed inside the autocast function (closed over, or passed in "
+    "nondiff_argnums). A rule read from a traced program cannot be run again on "
+    "such a value (jax.core.eval_jaxpr cannot either). Pass the value to the "
+    "custom_jvp function as an ordinary argument."
+)
 
 
 def _custom_vmap(ctx: Context, eqn, vals, weak):

@@ -191,7 +191,8 @@ def _arguments(jaxpr) -> frozenset:
 def parameters(ctx, eqn, vals) -> list:
     """Per operand of `eqn`, the float32 argument (a parameter) it is, or None."""
     return [
-        x if dtype_of(x) == F32 and v in ctx.arguments else None for x, v in zip(vals, eqn.invars)
+        x if dtype_of(x) == F32 and _is_var(v) and v in ctx.arguments else None
+        for x, v in zip(vals, eqn.invars)
     ]
 
 

@@ -643,3 +643,53 @@ def test_gradients_under_explicit_sharding_are_sharded_as_plain_jax(low):
     for name in params:
         assert jax.typeof(grads[name]) == jax.typeof(grads_ref[name]), name
         np.testing.assert_allclose(grads[name], grads_ref[name], rtol=5e-2, atol=2e-2)
+
+
+# --- derivatives taken inside the autocast function ---------------------------------
+
+
+def test_a_product_with_a_literal_operand():
+    """Differentiating a full contraction inside the function makes a product
+    of the literal cotangent 1.0 (``jnp.vdot``, ``v @ S @ v``, a BFGS solve)."""
+    a, b = jnp.arange(3.0), jnp.ones(3)
+    grad = jax.grad(lambda a, b: jnp.einsum("i,i->", a, b))
+    np.testing.assert_array_equal(mpjax.autocast(grad)(a, b), grad(a, b))
+
+
+def _custom_jvp_reading(w):
+    @jax.custom_jvp
+    def f(y):
+        return jnp.sin(y) * w[0]
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        (y,), (ty,) = primals, tangents
+        return f(y), jnp.cos(y) * ty * w[0] * 2  # not autodiff's: the rule must run
+
+    return f
+
+
+def test_custom_jvp_closing_over_a_value_of_an_outer_trace():
+    w, x = jnp.eye(3) * 0.5, jnp.ones((2, 3))
+
+    @jax.jit
+    def grads(w, x):
+        f = _custom_jvp_reading(w)
+        loss = lambda x: jnp.sum(f(x @ w))
+        return jax.grad(mpjax.autocast(loss))(x), jax.grad(loss)(x)
+
+    got, want = grads(w, x)
+    np.testing.assert_allclose(got, want, rtol=1e-3)
+
+
+def test_custom_jvp_closing_over_a_value_of_the_function_itself_is_a_clear_error():
+    """Its rule, read back from the traced program, holds that trace's value:
+    no interpreter can run it again (jax.core.eval_jaxpr fails too)."""
+
+    def loss(w, x):
+        return jnp.sum(_custom_jvp_reading(w)(x @ w))
+
+    w, x = jnp.eye(3) * 0.5, jnp.ones((2, 3))
+    mpjax.autocast(loss)(w, x)  # the forward pass runs
+    with pytest.raises(TypeError, match=r"custom_jvp function called at .*ordinary argument"):
+        jax.grad(mpjax.autocast(loss), argnums=1)(w, x)
