@@ -29,12 +29,6 @@ MOVES_VALUES = policy.LAYOUT | frozenset({
     "dynamic_slice", "reduce_max", "reduce_min", "cummax", "cummin", "sort",
 })  # fmt: skip
 
-SELECTIONS = frozenset({"select_n", "max", "min", "clamp"})
-"""Where a constant is chosen, not computed with: a finite value above the low
-dtype's range saturates to its largest (a mask's ``-1e9`` is -65504 in float16),
-keeping the selection in 16 bits."""
-
-
 def values(scope, x):
     """The values `x` can take, known at trace time (an array whose elements are
     them), or None."""
@@ -88,25 +82,25 @@ def copy(source, target, outer, inner) -> None:
             target.record_constant(y, known)
 
 
-def fits(scope, x, dtype, selection: bool = False) -> bool:
+def fits(scope, x, dtype) -> bool:
     """Whether a weak value's known values are normal numbers (or 0, inf, NaN)
     in `dtype`: what a cast to it keeps. Unknown values are taken to fit (the
-    cast saturates them, `mpjax._casting.convert`); so are finite values above
-    the range in a selection (`SELECTIONS`)."""
+    cast saturates them, `mpjax._casting.convert`). A selection's fill counts as
+    any other constant: a mask's ``-1e9`` saturated to -65504 would no longer
+    equal the ``1e9`` the program compares it with later."""
     if not policy.is_castable(dtype_of(x)):
         return True
     known = values(scope, x)
-    return known is None or _holds(known, dtype, selection)
+    return known is None or _holds(known, dtype)
 
 
-def _holds(values, dtype, selection: bool = False) -> bool:
-    """Whether `values` are normal numbers (or 0, inf, NaN) in `dtype`; finite
-    values above its range count as held in a selection."""
+def _holds(values, dtype) -> bool:
+    """Whether `values` are normal numbers (or 0, inf, NaN) in `dtype`."""
     info = jnp.finfo(dtype)
     magnitude = np.abs(np.asarray(values, np.float64))
     finite = magnitude[np.isfinite(magnitude)]
     small = (finite == 0) | (finite >= float(info.smallest_normal))
-    return bool(np.all(small & ((finite <= float(info.max)) | selection)))
+    return bool(np.all(small & (finite <= float(info.max))))
 
 
 def fill_fits(eqn, low) -> bool:

@@ -45,9 +45,8 @@ def _targets(rule: Rule, eqn, vals, weak, low, lean=False, scope=None) -> list:
             strong = [(d, n) for d, n in strong if n == largest]
         strong = [d for d, _ in strong]
         target = policy.widest(strong) or policy.widest(d for d, c in zip(dtypes, castable) if c)
-        selection = eqn.primitive.name in _constants.SELECTIONS
         if target in policy.LOW_DTYPES and any(
-            w and not _constants.fits(scope, x, target, selection) for x, w in zip(vals, weak)
+            w and not _constants.fits(scope, x, target) for x, w in zip(vals, weak)
         ):
             # A constant the low dtype cannot hold (``h / 1e5`` in float16): the
             # operation runs in float32 rather than divide by inf, 65504 or 0.

@@ -49,10 +49,10 @@ def test_fully_masked_logsumexp_row_is_minus_inf(low):
     np.testing.assert_allclose(out[1:], ref[1:], rtol=rel_tol(low))
 
 
-def test_a_mask_fill_saturates_but_infinities_and_nan_stay(low):
-    # In a selection, a finite fill above the low dtype's range saturates to its
-    # largest value (a -1e9 mask must not become -inf), and the selection stays
-    # 16-bit; infinities and NaN are kept as written.
+def test_a_mask_fill_is_kept_as_written_and_so_are_infinities_and_nan(low):
+    # A finite fill the low dtype cannot hold (-1e9 in float16) runs its selection
+    # in float32, exactly: neither -inf nor -65504, which a later comparison with
+    # the same constant would tell from it. Infinities and NaN are kept as written.
     def f(x, w):
         i = jnp.arange(4)  # computed from literals only: weak
         fill = jnp.where(
@@ -63,14 +63,26 @@ def test_a_mask_fill_saturates_but_infinities_and_nan_stay(low):
 
     x, w = jnp.zeros((2, 3)), jnp.zeros((3, 4))
     out = mpjax.autocast(f, dtype=low)(x, w)
-    saturated = float(jnp.asarray(max(-1e9, -float(jnp.finfo(low).max)), low))
-    np.testing.assert_array_equal(out[:3], [saturated, -np.inf, np.inf])
+    held = float(jnp.finfo(low).max) > 1e9  # bfloat16 holds -1e9, rounded
+    fill = float(jnp.asarray(-1e9, low)) if held else -1e9
+    np.testing.assert_array_equal(out[:3], [fill, -np.inf, np.inf])
     assert np.isnan(out[3])
-    eqns = all_eqns(jax.make_jaxpr(mpjax.autocast(f, dtype=low))(x, w))
-    selects = [
-        e for e in eqns if e.primitive.name == "select_n" and e.outvars[0].aval.shape == (4,)
-    ]
-    assert selects[-1].outvars[0].aval.dtype == low
+
+
+def test_a_sentinel_fill_still_equals_itself_later(low):
+    """``min(where(valid, d, 1e9))`` then ``d >= 1e9``: the fill and the
+    comparison must see the same number (a saturated fill never reached 1e9)."""
+    x, w = _xw()
+    valid = jnp.array([[True] * 5, [False] * 5, [True, False] * 2 + [True], [False] * 5])
+
+    def nearest(x, w):
+        d = jnp.min(jnp.where(valid, jnp.abs(x @ w), 1e9), axis=1)
+        return jnp.where(d >= 1e9, 0.0, d), jnp.where(valid, x @ w, 1e6) / 1e6
+
+    (got, scaled), (want, scaled_want) = mpjax.autocast(nearest, dtype=low)(x, w), nearest(x, w)
+    np.testing.assert_array_equal(np.asarray(got)[[1, 3]], 0.0)
+    np.testing.assert_allclose(got, want, rtol=4 * rel_tol(low), atol=1e-3)
+    np.testing.assert_array_equal(np.asarray(scaled)[~np.asarray(valid)], 1.0)
 
 
 _CONSTANTS = {
