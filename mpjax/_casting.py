@@ -5,6 +5,9 @@ They sit below the interpreter and the rules, which all import them.
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -16,6 +19,20 @@ F32 = np.dtype(jnp.float32)
 
 def dtype_of(x):
     return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def size(x) -> int:
+    """Elements of a value or an aval: a symbolic expression under `jax.export`'s
+    shape polymorphism, which compares equal as a number does."""
+    return math.prod(x.shape if hasattr(x, "shape") else np.shape(x))
+
+
+def fewer(a, b) -> bool:
+    """Whether size `a` < size `b`; False where symbolic sizes cannot tell."""
+    try:
+        return bool(a < b)
+    except jax.errors.InconclusiveDimensionOperation:
+        return False
 
 
 def is_concrete(x) -> bool:

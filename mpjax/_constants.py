@@ -18,7 +18,7 @@ import numpy as np
 
 from mpjax import _compat
 from mpjax import policy
-from mpjax._casting import dtype_of, is_concrete
+from mpjax._casting import dtype_of, is_concrete, size
 
 EXACT_LIMIT = 1024
 """Elements up to which a computed constant is evaluated at trace time."""
@@ -45,7 +45,7 @@ def propagate(scope, eqn, vals, outs, first_order: bool) -> None:
         return
     known = [values(scope, x) for x in vals]
     if first_order and all(k is not None for k in known):
-        if all(np.size(o) <= EXACT_LIMIT for o in outs):
+        if all(isinstance(n := size(o), int) and n <= EXACT_LIMIT for o in outs):
             exact = _evaluate(eqn, known, outs)
             if exact is not None:
                 for o, e in zip(outs, exact):

@@ -22,7 +22,7 @@ from mpjax import _constants
 from mpjax import _products
 from mpjax import fusions
 from mpjax import policy
-from mpjax._casting import F32, convert, dtype_of, is_concrete
+from mpjax._casting import F32, convert, dtype_of, fewer, is_concrete, size
 from mpjax.policy import Rule
 
 
@@ -36,13 +36,13 @@ def _targets(rule: Rule, eqn, vals, weak, low, lean=False, scope=None) -> list:
         return [F32 if c else None for c in castable]
     if rule is Rule.WIDEST:
         strong = [
-            (d, np.size(x)) for x, d, c, w in zip(vals, dtypes, castable, weak) if c and not w
+            (d, size(x)) for x, d, c, w in zip(vals, dtypes, castable, weak) if c and not w
         ]
         if lean and strong:
             # The largest operand (the activation) sets the precision: a float32
             # bias, scale or per-row statistic does not widen a [B, T, D] tensor.
-            largest = max(n for _, n in strong)
-            strong = [(d, n) for d, n in strong if n == largest]
+            largest = _largest([n for _, n in strong])
+            strong = [(d, n) for d, n in strong if not fewer(n, largest)]
         strong = [d for d, _ in strong]
         target = policy.widest(strong) or policy.widest(d for d, c in zip(dtypes, castable) if c)
         if target in policy.LOW_DTYPES and any(
@@ -265,7 +265,7 @@ def _derivatives_sum_nothing(eqn, vals, weak) -> bool:
     ):
         return True
     if eqn.primitive.name == "broadcast_in_dim":
-        return np.size(vals[0]) == np.prod(eqn.outvars[0].aval.shape, dtype=int)
+        return size(vals[0]) == size(eqn.outvars[0].aval)
     if eqn.primitive.name == "pad":  # only the padding value's cotangent is a sum
         return weak[1] or is_concrete(vals[1])
     return False
@@ -331,8 +331,8 @@ def _float32_inside(ctx, eqn, vals, low):
     low-precision input, not float32 copies: the residuals of the hand-cast model.
     A reduction's output is smaller than its input, so it stays float32.
     """
-    in_size = max(np.size(x) for x in vals)
-    reduces = all(np.prod(v.aval.shape, dtype=int) < in_size for v in eqn.outvars)
+    in_size = _largest([size(x) for x in vals])
+    reduces = all(fewer(size(v.aval), in_size) for v in eqn.outvars)
     keep_f32 = reduces or all(v in ctx.float32_only for v in eqn.outvars)
 
     def compute(*xs):
@@ -357,6 +357,14 @@ def _convert_rule(ctx, eqn, vals, weak):
     if new_dtype == original_in or dtype_of(x) == new_dtype:
         return [x]
     return _compat.bind(eqn, x)
+
+
+def _largest(sizes):
+    """The largest of `sizes`; of symbolic sizes that cannot be ordered, the first."""
+    out = sizes[0]
+    for n in sizes[1:]:
+        out = n if fewer(out, n) else out
+    return out
 
 
 def _cast_all(ctx, vals, targets, weak) -> list:

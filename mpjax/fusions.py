@@ -55,7 +55,7 @@ import numpy as np
 from mpjax import _compat
 from mpjax import _constants
 from mpjax import policy
-from mpjax._casting import F32, convert, dtype_of, is_concrete
+from mpjax._casting import F32, convert, dtype_of, fewer, is_concrete, size
 from mpjax.policy import Rule
 
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
@@ -103,7 +103,7 @@ def _is_var(v) -> bool:
 
 
 def _size(v) -> int:
-    return int(np.prod(v.aval.shape, dtype=int))
+    return size(v.aval)
 
 
 def find(jaxpr) -> Fusions:
@@ -176,7 +176,7 @@ def _broadcast_from_fewer(v, eqns, producer):
     made_by = eqns[producer[v]] if _is_var(v) and v in producer else None
     if made_by is None or made_by.primitive.name != "broadcast_in_dim":
         return None
-    return made_by if _size(made_by.invars[0]) < _size(v) else None
+    return made_by if fewer(_size(made_by.invars[0]), _size(v)) else None
 
 
 def _arguments(jaxpr) -> frozenset:
@@ -199,13 +199,13 @@ def parameters(ctx, eqn, vals) -> list:
 def _is_bias_add(eqn, eqns, producer) -> bool:
     if eqn.primitive.name != "add" or not all(map(_is_var, eqn.invars)):
         return False
-    size = _size(eqn.outvars[0])
+    n = _size(eqn.outvars[0])
     kinds = []
     for v in eqn.invars:
         made_by = eqns[producer[v]] if v in producer else None
-        if made_by is not None and made_by.primitive.name in _PRODUCTS and _size(v) == size:
+        if made_by is not None and made_by.primitive.name in _PRODUCTS and _size(v) == n:
             kinds.append("product")
-        elif _size(v) < size or _broadcast_from_fewer(v, eqns, producer) is not None:
+        elif fewer(_size(v), n) or _broadcast_from_fewer(v, eqns, producer) is not None:
             kinds.append("bias")
         else:
             kinds.append(None)

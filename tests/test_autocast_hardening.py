@@ -705,3 +705,34 @@ def test_custom_jvp_closing_over_a_value_of_the_function_itself_is_a_clear_error
     mpjax.autocast(loss)(w, x)  # the forward pass runs
     with pytest.raises(TypeError, match=r"custom_jvp function called at .*ordinary argument"):
         jax.grad(mpjax.autocast(loss), argnums=1)(w, x)
+
+
+def test_export_with_a_symbolic_batch_dimension(low):
+    """`jax.export` shape polymorphism: sizes are symbolic, and compare only
+    where they can (a bias add, a softmax, an arange over the batch)."""
+    from jax import export
+
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {
+        "w1": jax.random.normal(k[0], (4, 8)) / 2,
+        "b1": jnp.full((8,), 0.1),
+        "w2": jax.random.normal(k[1], (8, 3)) / 3,
+    }
+
+    def loss(params, x):
+        h = jax.nn.gelu(x @ params["w1"] + params["b1"])
+        h = (h - h.mean(-1, keepdims=True)) + jnp.arange(x.shape[0])[:, None] * 1e-3
+        logits = jax.nn.log_softmax(h @ params["w2"])
+        return -jnp.mean(logits[:, 0])
+
+    (batch,) = export.symbolic_shape("b")
+    x_spec = jax.ShapeDtypeStruct((batch, 4), jnp.float32)
+    step = jax.jit(jax.value_and_grad(mpjax.autocast(loss, dtype=low)))
+    exported = export.export(step)(params, x_spec)
+    for n in (3, 5):
+        x = jax.random.normal(k[2], (n, 4))
+        (value, grads), (value_ref, grads_ref) = exported.call(params, x), jax.value_and_grad(
+            loss
+        )(params, x)
+        np.testing.assert_allclose(value, value_ref, rtol=2e-2)
+        chex.assert_trees_all_close(grads, grads_ref, rtol=5e-2, atol=2e-2)
