@@ -92,10 +92,12 @@ def test_autocast_gpt_recomputes_its_gelus_and_no_product(name):
     gelu_inputs = c.layers * c.batch * c.seq_len * 4 * c.width
     # The causal mask's select runs in a checkpoint that keeps no broadcast: the
     # backward pass broadcasts the (T, T) mask again (reads a byte per mask
-    # element, writes one per score) and makes 16-bit zeros per score twice (its
-    # JVP's, for the constant fill, and its transpose's).
+    # element, writes one per score) and makes zeros per score twice (its JVP's,
+    # for the constant fill, and its transpose's), float32 ones: the fill,
+    # float32's most negative number, is one no 16-bit dtype holds, so the select
+    # computes in float32.
     scores = c.layers * c.batch * c.heads * c.seq_len**2
-    mask = c.layers * c.seq_len**2 + scores + 2 * 2 * scores
+    mask = c.layers * c.seq_len**2 + scores + 2 * 4 * scores
     assert r["recomputed_bytes"] == gelu_inputs * per_element + mask > 0
     # As one kernel it reads the 16-bit input and writes the float32 values the
     # derivative needs (which of them depends on JAX's derivative rules).
