@@ -289,6 +289,13 @@ def trace_arrays(fun, args, kwargs, cache: _trace_cache.TraceCache | None = None
 
 def _autocast_call(fun, region: Region, args, kwargs, cache=None):
     closed, out_shape, dynamic_leaves = trace_arrays(fun, args, kwargs, cache)
+    # The gradient of a weakly typed argument (a Python float) is weak, as without
+    # autocast: as jnp's promotions do, a cast to a strong type, whose transpose
+    # makes the cotangent weak again.
+    dynamic_leaves = [
+        _compat.with_weak_type(x, False) if _compat.is_tracer(x) and jax.typeof(x).weak_type else x
+        for x in dynamic_leaves
+    ]
     jaxpr, consts = _compat.jaxpr_and_consts(closed)
     ctx = Context(region, Scope(), memo={})
     outs, _ = eval_jaxpr(ctx, jaxpr, consts, dynamic_leaves, [False] * len(dynamic_leaves))
@@ -305,7 +312,8 @@ def _output(ctx: Context, out, shape):
     # jnp.asarray: an output that is a literal comes back a jax.Array, as from `fun`.
     out = jnp.asarray(ctx.scope.cast(out, shape.dtype))
     # A weakly typed output (``s * 2`` of a weak `s`) stays weak, for what it meets next.
-    return _compat.weakly_typed(out) if shape.weak_type and not jax.typeof(out).weak_type else out
+    weaken = shape.weak_type and not jax.typeof(out).weak_type
+    return _compat.with_weak_type(out, True) if weaken else out
 
 
 def _is_value(x) -> bool:

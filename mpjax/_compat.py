@@ -134,9 +134,9 @@ def convert_element_type(x, dtype):
     return jax.lax.convert_element_type(x, dtype)
 
 
-def weakly_typed(x):
-    """`x`, weakly typed (as ``s * 2`` of a weak `s`): jax.lax has no public way."""
-    return jax.lax.convert_element_type_p.bind(x, new_dtype=x.dtype, weak_type=True, sharding=None)
+def with_weak_type(x, weak: bool):
+    """`x`, weakly typed (as ``s * 2`` of a weak `s`) or not: jax.lax has no public way."""
+    return jax.lax.convert_element_type_p.bind(x, new_dtype=x.dtype, weak_type=weak, sharding=None)
 
 
 @contextlib.contextmanager

@@ -253,6 +253,19 @@ def test_weakly_typed_outputs_stay_weak():
     assert batched[0].weak_type
 
 
+def test_the_gradient_of_a_weakly_typed_argument_is_weak():
+    # As without autocast: a step ``p16 - lr * g`` on it stays float16.
+    def f(s, x):
+        return jnp.sum(jnp.tanh(x @ x.T)) * s * 2.0
+
+    x = jnp.ones((2, 3))
+    for s in (0.7, jnp.asarray(0.7)):
+        got, want = jax.grad(mpjax.autocast(f))(s, x), jax.grad(f)(s, x)
+        assert want.weak_type and got.weak_type
+        assert (jnp.ones(2, jnp.float16) - 0.1 * got).dtype == F16
+        np.testing.assert_allclose(got, want, rtol=1e-2)
+
+
 # --- eager calls trace once per argument signature ---------------------------------
 
 
