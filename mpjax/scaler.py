@@ -69,6 +69,7 @@ from mpjax._scaler_update import ScalerConfig
 from mpjax.gradients import scaled_value_and_grad
 from mpjax.scaler_state import (
     DISABLED,
+    RESTORED_WITHOUT_TARGET,
     GradScalerState,
     SubtreeFlags,
     get_scale,
@@ -296,12 +297,7 @@ def _loss_scaler(inner, config: ScalerConfig) -> optax.GradientTransformationExt
 
     def update_fn(updates, state, params=None, **extra):
         if isinstance(state, dict) and set(GradScalerState._fields) <= set(state):
-            raise TypeError(
-                "grad_scaler update: `state` is a dict holding the GradScalerState's "
-                "fields: a checkpoint restored without a target structure. Restore into "
-                "the structure tx.init(params) returns (flax.serialization.from_bytes("
-                "tx.init(params), data), or orbax's restore with it as target)."
-            )
+            raise TypeError(f"grad_scaler update: `state` {RESTORED_WITHOUT_TARGET}")
         if not isinstance(state, GradScalerState):
             raise TypeError(
                 f"grad_scaler update: `state` must be the GradScalerState that this "

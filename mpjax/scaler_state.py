@@ -304,12 +304,7 @@ def _find_state(opt_state: Any, caller: str) -> GradScalerState:
                 opt_state, is_leaf=lambda x: isinstance(x, Mapping) and fields <= set(x)
             )
         ):
-            raise ValueError(
-                f"{caller}: `opt_state` holds the GradScalerState's fields as a dict: a "
-                "checkpoint restored without a target structure. Restore into the "
-                "structure tx.init(params) returns (flax.serialization.from_bytes("
-                "tx.init(params), data), or orbax's restore with it as target)."
-            )
+            raise ValueError(f"{caller}: `opt_state` {RESTORED_WITHOUT_TARGET}")
         raise ValueError(
             f"{caller}: no GradScalerState found in `opt_state` (a "
             f"{type(opt_state).__name__}). Build the optimizer with "
@@ -324,6 +319,15 @@ def _find_state(opt_state: Any, caller: str) -> GradScalerState:
         "single grad_scaler (e.g. grad_scaler(optax.multi_transform(...))) rather "
         "than each part, or pass the sub-state of the scaler you mean."
     )
+
+
+RESTORED_WITHOUT_TARGET = (
+    "holds the GradScalerState's fields as a dict: a checkpoint restored without a "
+    "target structure. Restore into the structure tx.init(params) returns "
+    "(flax.serialization.from_bytes(tx.init(params), data), or orbax's restore with "
+    "it as target)."
+)
+"""What a scaler's state restored without its structure is told, by each function."""
 
 
 # Wrappers a scaler cannot work inside, and why: each trains wrongly without an error.
