@@ -48,8 +48,11 @@ class AuditReport:
       casts_inserted: casts that autocast added, when the audited function is
         an `autocast` function (its float casts minus those of the function it
         wraps); None otherwise.
-      matmul_flops: floating-point operations of all dot products and
-        convolutions (a scan body counted once per iteration).
+      matmul_flops: floating-point operations of the dot products and
+        convolutions one call runs: a scan body once per iteration, a while
+        loop's body once (its trip count is not known), and of a cond's branches
+        (``lax.platform_dependent`` included) the one with the most. Inside
+        ``shard_map``, on the per-device shapes.
       low_precision_flops: the part of `matmul_flops` with 16-bit inputs.
 
     Examples:
@@ -169,13 +172,19 @@ def _walk(jaxpr, path: str = "", repeat: int = 1):
             if _multiplies_low(eqn.invars[:2], upcast_from):
                 low_flops += n
         inner_repeat = repeat * (eqn.params["length"] if name == "scan" else 1)
+        branches = []  # (flops, low_flops) of each branch of a cond
         for sub in _compat.sub_jaxprs(eqn.params):
             inner, _ = _compat.jaxpr_and_consts(sub)
             own = _compat.called_name(eqn).startswith("mpjax_")  # mpjax's own wrapper
             inner_path = path if own else f"{path}/{name}" if path else name
             e, c, f, lf = _walk(inner, inner_path, inner_repeat)
             equations += e
-            casts, flops, low_flops = casts + c, flops + f, low_flops + lf
+            casts += c
+            branches.append((f, lf))
+        # One branch of a cond runs: count the costliest (all other sub-programs run).
+        runs = [max(branches)] if name == "cond" and branches else branches
+        flops += sum(f for f, _ in runs)
+        low_flops += sum(lf for _, lf in runs)
     return equations, casts, flops, low_flops
 
 

@@ -76,3 +76,30 @@ def test_bfloat16_casts_are_counted():
     # w down, once for both operands; the product's result rounded to bfloat16, then
     # widened for the sum.
     assert report.float_casts == report.casts_inserted == 3
+
+
+def test_a_cond_counts_the_flops_of_its_costliest_branch():
+    """One branch runs. mpjax's own bfloat16 weight-gradient product is a cond
+    (`lax.platform_dependent`): its gradient counts as float16's does."""
+    w, x = jnp.ones((64, 10)), jnp.ones((32, 64))
+    one = 2 * 32 * 64 * 10
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ w))
+
+    for dtype in (jnp.float16, jnp.bfloat16):
+        report = mpjax.audit(jax.grad(mpjax.autocast(loss, dtype=dtype)), w, x)
+        assert report.matmul_flops == 2 * one  # the forward product, the weight gradient
+        assert report.low_precision_fraction == 1.0
+
+    def switch(w, x, i):
+        branches = [
+            lambda: jnp.sum(x @ w),
+            lambda: jnp.sum(x @ w @ w.T @ w),  # three products: the costliest
+            lambda: jnp.sum(x),
+        ]
+        return lax.switch(i, branches)
+
+    report = mpjax.audit(mpjax.autocast(switch), w, x, jnp.int32(0))
+    assert report.matmul_flops == 3 * one
+    assert sum(e.primitive == "dot_general" for e in report.equations) == 4  # all listed
