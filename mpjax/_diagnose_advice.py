@@ -35,15 +35,23 @@ def _pow2(x: float) -> str:
 
 def advise(report) -> tuple[str, ...]:
     """The recommendations of a `DiagnoseReport` (whose own field is ignored)."""
-    for origin in (report.reference_forward, report.reference_backward):
-        if origin is not None:
-            return (
-                f"The float32 run is not finite either: its {origin.phase} pass produces "
-                f"{origin.produced} first at {origin.describe()}. Precision is not the "
-                "cause: look at the data (a NaN or inf in the batch), the model, or an "
-                "operation that is infinite in exact arithmetic (log(0), the gradient "
-                "of sqrt at 0).",
-            )
+    reference_finite = math.isfinite(report.reference_loss) and all(
+        math.isfinite(leaf.reference_max_abs) for run in report.runs for leaf in run.leaves
+    )
+    if not reference_finite:  # an inf or NaN on the way that cancels out is no problem
+        origin = report.reference_forward or report.reference_backward
+        where = (
+            f"its {origin.phase} pass produces {origin.produced} first at {origin.describe()}"
+            if origin is not None
+            else "no operation makes inf or NaN from finite values, so an input (the "
+            "batch, a parameter) holds one"
+        )
+        return (
+            f"The float32 run is not finite either: {where}. Precision is not the "
+            "cause: look at the data (a NaN or inf in the batch), the model, or an "
+            "operation that is infinite in exact arithmetic (log(0), the gradient "
+            "of sqrt at 0).",
+        )
     layers = {layer.module: layer for layer in report.layers}
     out = []
     for run in report.runs:

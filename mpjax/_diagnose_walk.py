@@ -5,7 +5,8 @@ equation on concrete values, with every floating output checked.
 backward pass. An equation belongs to the backward pass when its name stack, or
 that of an equation enclosing it, carries JAX's ``transpose(...)`` transform
 (``transpose(jvp(mpjax_autocast_float16))/Net/block_1``); forward equations carry
-``jvp(...)`` only. Calls (`jit`, custom derivatives, `checkpoint`, the
+``jvp(...)`` only. Within it, an equation the gradient's seed does not reach
+recomputes the forward pass (`jax.checkpoint`) and is reported as forward. Calls (`jit`, custom derivatives, `checkpoint`, the
 `linear_call` that transposes autocast's products) and the taken
 branch of a `cond` are evaluated equation by equation; `scan` and `while` run as
 one unit, and a `scan` whose outputs are the first non-finite values is run again
@@ -203,19 +204,27 @@ class Walk:
         self.observe = observe
         self.stop_zoom = False
 
-    def run(self, jaxpr, consts, args, prefix: str = "", backward: bool = False, inside=""):
+    def run(self, jaxpr, consts, args, prefix="", backward=False, inside="", seeded=None):
+        """The outputs of `jaxpr` on `args`. `seeded` flags the arguments the
+        gradient's seed (the loss scale) reaches: a backward-pass equation that it
+        does not reach recomputes the forward pass (`jax.checkpoint`) and is
+        reported as forward. None: every argument may carry it."""
+        return self._run(jaxpr, consts, args, prefix, backward, inside, seeded)[0]
+
+    def _run(self, jaxpr, consts, args, prefix, backward, inside, seeded):
         env = {}
+        seeded = [True] * len(args) if seeded is None else seeded
 
         def read(v):
             if isinstance(v, _compat.Literal):
                 val = np.asarray(v.val, dtype=v.aval.dtype)
-                return val, stats(val)
+                return val, stats(val), False
             return env[v]
 
         for v, c in zip(jaxpr.constvars, consts):
-            env[v] = (c, stats(c))
-        for v, a in zip(jaxpr.invars, args, strict=True):
-            env[v] = (a, stats(a))
+            env[v] = (c, stats(c), False)
+        for v, a, s in zip(jaxpr.invars, args, seeded, strict=True):
+            env[v] = (a, stats(a), s)
         dead_after = _last_uses(jaxpr)  # values are let go once read for the last time
         for i, eqn in enumerate(jaxpr.eqns):
             ins = [read(v) for v in eqn.invars]
@@ -223,13 +232,15 @@ class Walk:
                 del env[v]
             own = _compat.name_stack(eqn)
             stack = f"{prefix}/{own}" if prefix and own else prefix or own
-            back = backward or is_backward(own)
-            vals = [x for x, _ in ins]
-            in_stats = tuple(s for _, s in ins if s is not None)
-            outs = self._eval(eqn, vals, stack, back, inside)
-            if outs is None:  # not recursed into: a unit of its own
+            in_seeded = [s for _, _, s in ins]
+            back = (backward or is_backward(own)) and any(in_seeded)
+            vals = [x for x, _, _ in ins]
+            in_stats = tuple(s for _, s, _ in ins if s is not None)
+            done = self._eval(eqn, vals, stack, back, inside, in_seeded)
+            if done is None:  # not recursed into: a unit of its own
                 with _compat.equation_context(eqn):
                     outs = _compat.bind(eqn, *vals)
+                out_seeded = [any(in_seeded)] * len(outs)
                 out_stats = tuple(stats(o) for o in outs)
                 floats = tuple(s for s in out_stats if s is not None)
                 inputs_finite = all(s.finite for s in in_stats)
@@ -239,19 +250,22 @@ class Walk:
                     Event(eqn, stack, back, inputs_finite, in_stats, floats, vals, outs, inside)
                 )
             else:
+                outs, out_seeded = done
                 out_stats = tuple(stats(o) for o in outs)
-            for v, o, s in zip(eqn.outvars, outs, out_stats, strict=True):
-                env[v] = (o, s)
-        return [read(v)[0] for v in jaxpr.outvars]
+            for v, o, s, d in zip(eqn.outvars, outs, out_stats, out_seeded, strict=True):
+                env[v] = (o, s, d)
+        outs = [read(v) for v in jaxpr.outvars]
+        return [o for o, _, _ in outs], [d for _, _, d in outs]
 
-    def _eval(self, eqn, vals, stack, back, inside):
-        """Outputs of a call or `cond` evaluated equation by equation, else None."""
+    def _eval(self, eqn, vals, stack, back, inside, seeded):
+        """(outputs, their seed flags) of a call or `cond` evaluated equation by
+        equation, else None."""
         name = eqn.primitive.name
         if name == "cond":
             branches = eqn.params["branches"]
             index = int(np.clip(np.asarray(vals[0]), 0, len(branches) - 1))
             jaxpr, consts = _compat.jaxpr_and_consts(branches[index])
-            return self.run(jaxpr, consts, vals[1:], stack, back, inside)
+            return self._run(jaxpr, consts, vals[1:], stack, back, inside, seeded[1:])
         if name not in _CALLS:
             return None
         subs = _compat.sub_jaxprs(eqn.params)
@@ -260,7 +274,7 @@ class Walk:
         jaxpr, consts = _compat.jaxpr_and_consts(subs[0])
         if len(jaxpr.invars) != len(vals) or len(jaxpr.outvars) != len(eqn.outvars):
             return None
-        return self.run(jaxpr, consts, vals, stack, back, inside)
+        return self._run(jaxpr, consts, vals, stack, back, inside, seeded)
 
     def _zoom(self, eqn, vals, stack, back):
         """A scan that made the first non-finite values: run again, one iteration

@@ -145,10 +145,11 @@ class _Program:
         self.jaxpr, self.consts = _compat.jaxpr_and_consts(closed)
         self.dtype = dtype
 
-    def evaluate(self, scale: float, calls=frozenset(), collect: bool = True) -> _Collector:
-        collector = _Collector(scale, calls, collect)
+    def evaluate(self, scale: float, calls=frozenset(), collect=True, known=frozenset()):
+        collector = _Collector(scale, calls, collect, known)
         args = [jnp.float32(scale), *self.args[1:]]
-        outs = dw.Walk(collector).run(self.jaxpr, self.consts, args)
+        seeded = [True] + [False] * (len(args) - 1)  # the scale seeds the gradient
+        outs = dw.Walk(collector).run(self.jaxpr, self.consts, args, seeded=seeded)
         collector.loss = float(np.asarray(outs[0], np.float64))
         collector.grads = outs[1:]
         return collector
@@ -169,9 +170,13 @@ class _Row:
 class _Collector:
     """Observes a walk: the first origin per phase, ranges per module."""
 
-    def __init__(self, scale: float, calls: frozenset, collect: bool):
+    def __init__(self, scale: float, calls: frozenset, collect: bool, known=frozenset()):
         self.scale, self.calls, self.collect = scale, calls, collect
         self.origins: dict[str, Origin] = {}
+        # Where this run makes inf or NaN from finite inputs; an origin in `known`
+        # (the float32 run makes it too: a log(mask)'s -inf) is not precision's doing.
+        self.nonfinite_at: set = set()
+        self.known = known
         self.modules: dict[str, _Row] = {}
         self.backward_max = 0.0  # of all backward values, divided by the scale
         self.backward_low_max = 0.0  # of the 16-bit ones
@@ -182,8 +187,12 @@ class _Collector:
             return
         phase = "backward" if event.backward else "forward"
         finite = all(s.finite for s in event.out_stats)
-        if not finite and event.inputs_finite and phase not in self.origins:
-            self.origins[phase] = _origin(event, phase, self.calls)
+        if not finite and event.inputs_finite:
+            where = dw.where(event.eqn)
+            at = (phase, event.eqn.primitive.name, where.file, where.line)
+            self.nonfinite_at.add(at)
+            if phase not in self.origins and at not in self.known:
+                self.origins[phase] = _origin(event, phase, self.calls)
         if not event.out_stats or _OWN_SCOPE in event.stack:
             return
         key = dw.module_path(event.stack, self.calls) or _line_key(event.eqn)
@@ -260,7 +269,7 @@ def _leaf_gradients(problem, low, reference, scale) -> tuple[LeafGradient, ...]:
             LeafGradient(
                 path=path,
                 size=int(g.size),
-                max_abs=float(np.abs(g).max()) if finite.all() else math.inf,
+                max_abs=(float(np.abs(g).max()) if g.size else 0.0) if finite.all() else math.inf,
                 reference_max_abs=float(np.abs(ref).max()) if ref.size else 0.0,
                 underflow=float(np.mean((g == 0) & (ref != 0))) if g.size else 0.0,
                 overflow=float(1.0 - finite.mean()) if g.size else 0.0,
@@ -271,7 +280,7 @@ def _leaf_gradients(problem, low, reference, scale) -> tuple[LeafGradient, ...]:
 
 def _diagnose_dtype(problem, dtype, scale, policy, reference, calls):
     program = _Program(problem, dtype, policy)
-    low = program.evaluate(scale, calls)
+    low = program.evaluate(scale, calls, known=frozenset(reference.nonfinite_at))
     forward, backward = low.origins.get("forward"), low.origins.get("backward")
     leaves = _leaf_gradients(problem, low, reference, scale)
     largest, recommended, again = low.backward_low_max, None, ()
@@ -293,7 +302,7 @@ def _scale_figures(program, low, problem, reference, calls):
     largest = low.backward_low_max
     if "backward" in low.origins or largest * low.scale < RANGES["float16"][1]:
         probe = advice.recommended_scale(reference.backward_max)
-        runs[probe] = program.evaluate(probe, calls, collect=False)
+        runs[probe] = program.evaluate(probe, calls, False, frozenset(reference.nonfinite_at))
         largest = runs[probe].backward_low_max
     recommended = advice.recommended_scale(largest)
     leaves = _leaf_gradients(problem, low, reference, low.scale)
@@ -302,7 +311,9 @@ def _scale_figures(program, low, problem, reference, calls):
     ):
         return largest, recommended, ()
     if recommended not in runs:
-        runs[recommended] = program.evaluate(recommended, calls, collect=False)
+        runs[recommended] = program.evaluate(
+            recommended, calls, False, frozenset(reference.nonfinite_at)
+        )
     return largest, recommended, _leaf_gradients(problem, runs[recommended], reference, recommended)
 
 

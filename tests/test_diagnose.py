@@ -268,3 +268,54 @@ def test_bad_input():
         jax.jit(lambda w: mpjax.diagnose(loss_fn, w, x))(w)
     with pytest.raises(ValueError, match="policy"):
         mpjax.diagnose(loss_fn, w, x, policy="fast")
+
+
+def test_checkpointed_forward_values_are_not_counted_as_gradients():
+    """Values a `jax.checkpoint` recomputes in the backward pass are forward
+    values (the loss scale does not reach them): same figures either way."""
+
+    def make(checkpoint):
+        def block(w, x):
+            return jnp.tanh((x @ w) * 1e-4)  # a float16 product of 3.2e4
+
+        block = jax.checkpoint(block) if checkpoint else block
+        return lambda p, x: jnp.mean(block(p["w"], x) @ p["v"]) * 2.0**-20
+
+    p = {"w": jnp.full((16, 8), 40.0), "v": jnp.full((8, 2), 0.01)}
+    x = jnp.full((4, 16), 50.0)
+    plain, remat = (mpjax.diagnose(make(c), p, x, scale=1.0) for c in (False, True))
+    assert remat.runs[0].max_gradient == plain.runs[0].max_gradient < 1e-6
+    assert remat.runs[0].recommended_scale == plain.runs[0].recommended_scale
+    assert remat.recommendations == plain.recommendations
+
+
+def test_an_inf_the_float32_run_makes_too_does_not_hide_the_16_bit_advice():
+    """A log(mask)'s -inf is the model's, harmless when the float32 loss and
+    gradients are finite: the float16 run's own overflow is what is reported."""
+
+    def loss_fn(p, x, y, mask):
+        s = x @ p["w"] + jnp.log(mask)  # -inf where masked; the softmax gives 0
+        return jnp.sum(jax.nn.softmax(s, axis=-1) * y) * 100.0
+
+    p = {"w": jnp.linspace(-1, 1, 12).reshape(4, 3)}
+    x, y = jnp.linspace(-2, 2, 32).reshape(8, 4), jnp.linspace(0, 5, 24).reshape(8, 3)
+    report = mpjax.diagnose(loss_fn, p, x, y, jnp.array([1.0, 1.0, 0.0]))
+    assert math.isfinite(report.reference_loss)
+    assert report.runs[0].forward is None and report.runs[0].backward is not None
+    assert "not finite either" not in " ".join(report.recommendations)
+    assert "Start from init_scale=2**" in " ".join(report.recommendations)
+
+
+def test_a_nan_in_the_batch_is_blamed_on_the_data():
+    x = jnp.ones((8, 4)).at[0, 0].set(jnp.nan)
+    report = mpjax.diagnose(lambda p, x: jnp.mean(x @ p["w"]), {"w": jnp.ones((4, 3))}, x)
+    (advice,) = report.recommendations
+    assert advice.startswith("The float32 run is not finite either") and "an input" in advice
+
+
+def test_an_empty_parameter_is_reported():
+    p = {"w": jnp.ones((4, 3)), "empty": jnp.zeros((0,))}
+    loss_fn = lambda p, x: jnp.mean(x @ p["w"]) + jnp.sum(p["empty"])  # noqa: E731
+    report = mpjax.diagnose(loss_fn, p, jnp.ones((8, 4)))
+    empty = [leaf for leaf in report.runs[0].leaves if "empty" in leaf.path]
+    assert empty and empty[0].max_abs == 0.0 and empty[0].underflow == 0.0
