@@ -128,9 +128,10 @@ def problem(loss_fn, params, batch, has_aux) -> Problem:
 def _loss_of(out, has_aux):
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
+            got = "an array" if isinstance(out, jax.Array) else type(out).__name__
             raise TypeError(
-                "diagnose(has_aux=True): loss_fn must return a pair (loss, aux), got "
-                f"{type(out).__name__}."
+                f"diagnose(has_aux=True): loss_fn must return a pair (loss, aux), got {got}."
+                " Pass has_aux=False if it returns the loss alone."
             )
         out = out[0]
     elif isinstance(out, tuple):

@@ -262,6 +262,8 @@ def test_bad_input():
         mpjax.diagnose(loss_fn, {"n": jnp.arange(3)}, x)
     with pytest.raises(TypeError, match="has_aux=True"):
         mpjax.diagnose(lambda w, x: (loss_fn(w, x), 0.0), w, x)
+    with pytest.raises(TypeError, match=r"pair \(loss, aux\), got an array\. Pass has_aux=False"):
+        mpjax.diagnose(loss_fn, w, x, has_aux=True)
     with pytest.raises(TypeError, match="scalar loss"):
         mpjax.diagnose(lambda w, x: x @ w, w, x)
     with pytest.raises(TypeError, match="outside jax.jit"):
