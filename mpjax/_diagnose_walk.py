@@ -6,11 +6,12 @@ backward pass. An equation belongs to the backward pass when its name stack, or
 that of an equation enclosing it, carries JAX's ``transpose(...)`` transform
 (``transpose(jvp(mpjax_autocast_float16))/Net/block_1``); forward equations carry
 ``jvp(...)`` only. Within it, an equation the gradient's seed does not reach
-recomputes the forward pass (`jax.checkpoint`) and is reported as forward. Calls (`jit`, custom derivatives, `checkpoint`, the
-`linear_call` that transposes autocast's products) and the taken
-branch of a `cond` are evaluated equation by equation; `scan` and `while` run as
-one unit, and a `scan` whose outputs are the first non-finite values is run again
-one iteration at a time to find the equation inside.
+recomputes the forward pass (`jax.checkpoint`) and is reported as forward. Calls
+(`jit`, custom derivatives, `checkpoint`, the `linear_call` that transposes
+autocast's products) and the taken branch of a `cond` are evaluated equation by
+equation; `scan` and `while` run as one unit, and a `scan` whose outputs are the
+first non-finite values is run again one iteration at a time to find the equation
+inside.
 """
 
 from __future__ import annotations

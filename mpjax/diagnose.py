@@ -280,7 +280,7 @@ def _leaf_gradients(problem, low, reference, scale) -> tuple[LeafGradient, ...]:
 
 def _diagnose_dtype(problem, dtype, scale, policy, reference, calls):
     program = _Program(problem, dtype, policy)
-    low = program.evaluate(scale, calls, known=frozenset(reference.nonfinite_at))
+    low = program.evaluate(scale, calls, known=reference.nonfinite_at)
     forward, backward = low.origins.get("forward"), low.origins.get("backward")
     leaves = _leaf_gradients(problem, low, reference, scale)
     largest, recommended, again = low.backward_low_max, None, ()
@@ -302,7 +302,7 @@ def _scale_figures(program, low, problem, reference, calls):
     largest = low.backward_low_max
     if "backward" in low.origins or largest * low.scale < RANGES["float16"][1]:
         probe = advice.recommended_scale(reference.backward_max)
-        runs[probe] = program.evaluate(probe, calls, False, frozenset(reference.nonfinite_at))
+        runs[probe] = program.evaluate(probe, calls, False, reference.nonfinite_at)
         largest = runs[probe].backward_low_max
     recommended = advice.recommended_scale(largest)
     leaves = _leaf_gradients(problem, low, reference, low.scale)
@@ -311,9 +311,7 @@ def _scale_figures(program, low, problem, reference, calls):
     ):
         return largest, recommended, ()
     if recommended not in runs:
-        runs[recommended] = program.evaluate(
-            recommended, calls, False, frozenset(reference.nonfinite_at)
-        )
+        runs[recommended] = program.evaluate(recommended, calls, False, reference.nonfinite_at)
     return largest, recommended, _leaf_gradients(problem, runs[recommended], reference, recommended)
 
 
