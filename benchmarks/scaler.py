@@ -1,7 +1,8 @@
 """The loss scaler's own cost against the bare optimizer, in one process.
 
     PYTHONPATH=. python -m benchmarks.scaler [--leaves 10 100 1000 10000] [--params 1e6 1e8]
-        [--scalers grad_scaler ...] [--parts] [--models gpt resnet] [--check 1e4 1e5 1e6 1e7]
+        [--scalers grad_scaler ...] [--parts] [--compile-models gpt vit resnet]
+        [--models gpt resnet] [--check 1e4 1e5 1e6 1e7]
         [--repeats 15] [--compile-repeats 3]
 
 Two ratios over bare `optax.adam(1e-3)`, each for `grad_scaler(optax.adam(1e-3))` with
@@ -21,6 +22,10 @@ leaves, each over bare adam: adam with the finite check alone (the scaler's own
 per-leaf flags and their combination, no selection), and adam with the selection
 alone (the state selected where adam computes it, and the updates, on a flag that
 is a jit argument).
+
+With ``--compile-models``, the compile ratio on the parameter tree of each named
+benchmark model at its full size (`benchmarks.models.SIZES`): leaves of many shapes,
+each shape a kernel of its own, where the n small leaves above share one.
 
 With ``--check``, the finite check of one float32 leaf of each size alone, by
 a reduction over booleans and by `mpjax._finite.nonfinite`'s max over bytes (the
@@ -88,6 +93,22 @@ def compile_ratio(n: int, repeats: int = 3, names=tuple(_SCALERS)) -> dict:
     }
     med = timing.interleaved(contenders, repeats=repeats, warmup=False)
     return {"leaves": n, **_ratios(med, "total", names)}
+
+
+def model_compile_ratio(family: str, repeats: int = 3, names=tuple(_SCALERS)) -> dict:
+    """`compile_ratio` on the parameter tree of a benchmark model at its full size.
+
+    Shapes only: the update is lowered on abstract values, so nothing is allocated.
+    """
+    params, _ = SIZES["full"][family].param_spec()
+    contenders = {
+        k: lambda tx=tx, s=jax.eval_shape(tx.init, params): _compile_seconds(
+            tx.update, params, s, params
+        )
+        for k, tx in _contenders(names).items()
+    }
+    med = timing.interleaved(contenders, repeats=repeats, warmup=False)
+    return {"leaves": len(jax.tree.leaves(params)), **_ratios(med, "total", names)}
 
 
 def _check_only(adam):
@@ -191,6 +212,13 @@ def main(argv=None) -> None:
         help="the wrappers measured against bare adam (all by default)",
     )
     parser.add_argument("--models", nargs="*", default=[], choices=sorted(SIZES["runtime"]))
+    parser.add_argument(
+        "--compile-models",
+        nargs="*",
+        default=[],
+        choices=sorted(SIZES["full"]),
+        help="compile on the full-size model's parameter tree",
+    )
     parser.add_argument("--check", type=float, nargs="*", default=[])
     parser.add_argument("--repeats", type=int, default=15, help="of each run-time measurement")
     parser.add_argument(
@@ -209,6 +237,12 @@ def main(argv=None) -> None:
     for n in args.leaves if args.parts else ():
         r = parts_ratio(n, repeats=_compile_repeats(args, n))
         print(f"| {n} | {_row(r, _PARTS, '.2f', 1)}", flush=True)
+    if args.compile_models:
+        print()
+        print(_header("model (leaves)", "adam compile (s)", args.scalers, "s"))
+    for family in args.compile_models:
+        r = model_compile_ratio(family, repeats=args.compile_repeats or 3, names=args.scalers)
+        print(f"| {family} ({r['leaves']}) | {_row(r, args.scalers, '.2f', 1)}", flush=True)
     if args.params:
         print()
         print(_header("parameters (10 leaves)", "adam step (ms)", args.scalers, "ms"))

@@ -260,6 +260,18 @@ def test_scaler_benchmark_measures_only_the_named_wrappers(capsys):
     assert [len(row) for row in rows] == [6, 6] and all(float(row[4]) > 0 for row in rows)
 
 
+def test_scaler_benchmark_compiles_on_a_models_parameter_tree(capsys):
+    from benchmarks import scaler
+    from benchmarks.models import SIZES
+
+    args = ["--leaves", "--params", "--compile-models", "resnet", "--scalers", "grad_scaler"]
+    scaler.main([*args, "--compile-repeats", "1"])
+    out = capsys.readouterr().out
+    leaves = len(jax.tree.leaves(SIZES["full"]["resnet"].param_spec()[0]))
+    (row,) = [line.split("|") for line in out.splitlines() if line.startswith("| resnet")]
+    assert row[1].strip() == f"resnet ({leaves})" and float(row[4]) > 0
+
+
 def test_scaler_benchmark_compiles_the_scalers_halves_apart(capsys):
     from benchmarks import scaler
 
