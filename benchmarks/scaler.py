@@ -127,7 +127,7 @@ def _selection_only(adam):
 
     def update(grads, state, params, drop):
         updates, new_state = _skip.update_selected(adam, drop, grads, state, params, {})
-        return _scaler_update._zeros_where(drop, updates), new_state
+        return _scaler_update._no_updates_where(drop, updates), new_state
 
     return update
 

@@ -107,7 +107,7 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
         updates, inner_state = _skip.update_selected(
             inner, drop, grads, state.inner_state, params, extra
         )
-        return _zeros_where(drop, updates), state._replace(inner_state=inner_state)
+        return _no_updates_where(drop, updates), state._replace(inner_state=inner_state)
     # A disabled scaler's state (a checkpoint restored with scaling switched on)
     # starts from init_scale, as a fresh state would: its scale of 1.0 would
     # let float16 gradients underflow for thousands of steps of growth.
@@ -119,9 +119,12 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
     nonfinite, nonfinite_subtrees = _nonfinite_flags(
         config, grads, state.nonfinite_subtrees, state.scale
     )
-    # inner's result is discarded when skipping; on zeros it computes no inf or
-    # NaN (for jax_debug_nans, checkify, or a callback inside inner to stop at).
-    grads = _zeros_where(nonfinite, grads)
+    if not _compat.is_tracer(nonfinite):
+        # Eagerly, where jax_debug_nans checks each operation, inner runs on zeros
+        # in place of a skipped step's gradients. Under jit it runs on them as they
+        # are (its result is discarded): a select in front of inner changed how XLA
+        # fused and rounded inner's passes on every step, a few ulps from inner alone.
+        grads = _zeros_where(nonfinite, grads)
     if config.check_updates:
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
         # inner may itself produce a non-finite update from finite gradients
@@ -139,7 +142,7 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
         updates, inner_state = _skip.update_selected(
             inner, _either(skipped, take), grads, state.inner_state, params, extra
         )
-    updates = _zeros_where(_either(skipped, take), updates)
+    updates = _no_updates_where(_either(skipped, take), updates)
     if config.dynamic:
         scale, tracker = _next_scale(
             state.scale,
@@ -303,7 +306,13 @@ def accumulator_dtype(p):
     return jnp.promote_types(jnp.result_type(p), jnp.float32)
 
 
-def _zeros_where(pred, tree):
+def _no_updates_where(pred, updates):
+    """`updates` where not `pred`, and -0.0 where `pred`: ``p + -0.0`` is `p` bit for
+    bit, a -0.0 parameter included (which ``+ 0.0`` would turn into +0.0)."""
+    return _zeros_where(pred, updates, zero=-0.0)
+
+
+def _zeros_where(pred, tree, zero=0.0):
     """Zeros of `tree`'s shapes and dtypes where `pred`, `tree` elsewhere.
 
     One zeros per type (shape, dtype, sharding), shared by the leaves of that
@@ -315,7 +324,8 @@ def _zeros_where(pred, tree):
     def zeros_like(t):
         key = jax.typeof(t)
         if key not in zeros:
-            zeros[key] = lax.full_like(t, 0)
+            kind = jnp.result_type(t).kind
+            zeros[key] = lax.full_like(t, complex(zero, zero) if kind == "c" else zero)
         return zeros[key]
 
     return _select(pred, jax.tree.map(zeros_like, tree), tree)

@@ -114,8 +114,9 @@ def grad_scaler(
     scale in the state, and divides it out again. ``update`` takes those gradients
     (the loss's own, as every optax transformation does; plain ``jax.grad``'s train
     too, without the underflow protection) and checks that all are finite. If so,
-    it returns ``inner``'s updates and state; if not, zero updates and ``inner``'s
-    state bit for bit as it was. The scale then changes as torch's
+    it returns ``inner``'s updates and state; if not, zero updates (-0.0, which
+    ``optax.apply_updates`` adds to every parameter without changing a bit) and
+    ``inner``'s state bit for bit as it was. The scale then changes as torch's
     ``_amp_update_scale_``, bit for bit, with no host sync. Wrap the whole
     ``optax.chain``: only a wrapper can skip a step exactly. Deliberate differences
     from torch are in `mpjax.scaler`; ``init`` refuses float16 parameters.
@@ -168,7 +169,7 @@ def grad_scaler(
       >>> bad = {"w": jnp.array([1.0, jnp.inf, 1.0])}
       >>> updates, opt_state = jax.jit(tx.update)(bad, opt_state, params)
       >>> updates["w"], get_scale(opt_state)  # skipped; the scale backs off
-      (Array([0., 0., 0.], dtype=float32), Array(512., dtype=float32))
+      (Array([-0., -0., -0.], dtype=float32), Array(512., dtype=float32))
     """
     check_inner("grad_scaler", inner)
     settings = (init_scale, growth_factor, backoff_factor, growth_interval, min_scale, enabled)
@@ -216,7 +217,7 @@ def static_scaler(
       >>> state = tx.init(jnp.zeros(2))
       >>> updates, state = tx.update(jnp.array([1.0, jnp.inf]), state)
       >>> updates, bool(state.last_step_skipped)
-      (Array([0., 0.], dtype=float32), True)
+      (Array([-0., -0.], dtype=float32), True)
     """
     check_inner("static_scaler", inner)
     scale = check_static_scale(scale)

@@ -234,8 +234,10 @@ def _check_invariants(params0, out, faulty):
     np.testing.assert_array_equal(inject_state.inner_state[0].count, n_applied)
     want_lr = np.array([SCHEDULE(max(n - 1, 0)) for n in n_applied], np.float32)
     np.testing.assert_allclose(inject_state.hyperparams["learning_rate"], want_lr, rtol=1e-6)
-    # The inner optimizer ran on every step, and never on a non-finite gradient.
-    assert len(_INNER_SAW_FINITE) == LENGTH and all(_INNER_SAW_FINITE)
+    # The inner optimizer ran on every step, on the gradients as they were (under
+    # jit no select stands in front of it, so its finite steps are its own, bit for
+    # bit): non-finite exactly on the skipped steps, whose result it discarded.
+    assert _INNER_SAW_FINITE == [not f for f in faulty]
 
 
 def test_isolated_faults_of_every_kind():

@@ -346,6 +346,50 @@ def test_skipped_step_leaves_params_and_inner_state_bit_identical(bad):
     chex.assert_trees_all_close(updates["h"], expected["h"], rtol=2**-7)  # bfloat16 moments
 
 
+def test_a_skipped_step_keeps_every_bit_of_the_parameters_negative_zeros_included():
+    tx = grad_scaler(optax.adam(1e-3))
+    params = {"w": jnp.array([-0.0, 0.0, -1.5], jnp.float32), "h": jnp.array([-0.0], jnp.bfloat16)}
+    grads = {"w": jnp.array([1.0, jnp.inf, 2.0]), "h": jnp.ones(1, jnp.bfloat16)}
+    for update in (tx.update, jax.jit(tx.update)):
+        updates, state = update(grads, tx.init(params), params)
+        assert bool(state.last_step_skipped)
+        new = optax.apply_updates(params, updates)
+        for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(params)):
+            bits = {2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
+            np.testing.assert_array_equal(np.asarray(a).view(bits), np.asarray(b).view(bits))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optax.adam(1e-3),
+        lambda: optax.adamw(1e-3, weight_decay=0.1),
+        lambda: optax.lamb(1e-3),
+        lambda: optax.rmsprop(1e-3),
+        lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+    ],
+    ids=["adam", "adamw", "lamb", "rmsprop", "clip+adam"],
+)
+def test_finite_steps_are_the_bare_optimizers_bit_for_bit_under_jit(make):
+    # With nothing to skip the scaler is invisible: not a few ulps off.
+    params = {
+        "a": jax.random.normal(jax.random.key(0), (64, 33)),
+        "b": jax.random.normal(jax.random.key(1), (20000,)),
+    }
+    bare, scaled = make(), grad_scaler(make())
+    bare_state, scaled_state = bare.init(params), scaled.init(params)
+    bare_update, scaled_update = jax.jit(bare.update), jax.jit(scaled.update)
+    p_bare = p_scaled = params
+    for i in range(4):
+        grads = jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1)), p_bare)
+        u_bare, bare_state = bare_update(grads, bare_state, p_bare)
+        u_scaled, scaled_state = scaled_update(grads, scaled_state, p_scaled)
+        p_bare = optax.apply_updates(p_bare, u_bare)
+        p_scaled = optax.apply_updates(p_scaled, u_scaled)
+    chex.assert_trees_all_equal(p_scaled, p_bare)
+    chex.assert_trees_all_equal(scaled_state.inner_state, bare_state)
+
+
 def test_unscaling_keeps_each_leaf_dtype():
     # The gradients of float16 inputs (an activation, a bfloat16 parameter) are
     # unscaled in float32 and cast back.

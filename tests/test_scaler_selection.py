@@ -117,9 +117,10 @@ def test_accumulation_keeps_the_optimizers_step_on_the_last_micro_batch_only(nam
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 def test_debug_nans_stays_quiet_on_a_skipped_step(jit):
-    # The optimizer runs on zeros when the step is skipped, so that JAX's NaN
-    # checks stop at the user's overflow, not inside adam (adam on an infinite
-    # gradient divides inf by inf).
+    # JAX's NaN checks stop at the user's overflow, not inside adam (adam on an
+    # infinite gradient divides inf by inf): under jit they check the outputs, and
+    # a skipped step's are selected; eagerly they check each operation, and there
+    # the optimizer runs on zeros when the step is skipped.
     params = _params()
     tx = mpjax.grad_scaler(optax.adam(1e-3))
     update = jax.jit(tx.update) if jit else tx.update
