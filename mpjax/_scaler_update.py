@@ -120,10 +120,8 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
         config, grads, state.nonfinite_subtrees, state.scale
     )
     if not _compat.is_tracer(nonfinite):
-        # Eagerly, where jax_debug_nans checks each operation, inner runs on zeros
-        # in place of a skipped step's gradients. Under jit it runs on them as they
-        # are (its result is discarded): a select in front of inner changed how XLA
-        # fused and rounded inner's passes on every step, a few ulps from inner alone.
+        # Eagerly (jax_debug_nans checks each operation) inner runs on zeros; under
+        # jit, where a select in front changed XLA's rounding of inner, as they are.
         grads = _zeros_where(nonfinite, grads)
     if config.check_updates:
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
