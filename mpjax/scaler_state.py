@@ -1,11 +1,11 @@
 """The loss scaler's state, and the helpers that read or change it in an opt_state.
 
 `GradScalerState` is what `grad_scaler`, `static_scaler` and `noop_scaler` keep in
-the optimizer state. The helpers find it wherever it sits (inside
-``optax.chain``, ``optax.inject_hyperparams``, a ``flax.nnx.Optimizer``; around
-``optax.multi_transform`` or ``optax.MultiSteps``, never inside them: that is an
-error) and give torch's
-``get_scale()`` and ``update(new_scale)``, and the numbers to log.
+the optimizer state. The helpers find it wherever it sits (at the top, inside
+``optax.inject_hyperparams`` or a ``flax.nnx.Optimizer``; around
+``optax.chain``, ``optax.multi_transform`` or ``optax.MultiSteps``, never beside
+or inside them: that is an error) and give torch's ``get_scale()`` and
+``update(new_scale)``, and the numbers to log.
 `mpjax.scaler` re-exports them all.
 """
 
@@ -22,6 +22,7 @@ import numpy as np
 import optax
 
 from mpjax._float32 import MIN_NORMAL_F32
+from mpjax._scaler_placement import check_placement
 
 __all__ = [
     "GradScalerState",
@@ -152,23 +153,25 @@ def get_scale(opt_state: Any) -> jax.Array:
     """The current loss scale held in `opt_state` (torch's ``get_scale()``).
 
     Args:
-      opt_state: an optimizer state holding exactly one `GradScalerState`
-        anywhere inside (``optax.chain``, ``optax.inject_hyperparams``, a
-        ``flax.nnx.Optimizer`` or its ``opt_state``), and not inside
-        ``optax.MultiSteps``, ``optax.multi_transform`` or
-        ``optax.apply_if_finite``.
+      opt_state: an optimizer state holding exactly one `GradScalerState`, at
+        its top or inside ``optax.inject_hyperparams``, a ``flax.nnx.Optimizer``
+        or its ``opt_state``; not beside other transforms in an ``optax.chain``,
+        nor inside ``optax.MultiSteps``, ``optax.multi_transform``,
+        ``optax.apply_if_finite`` or another optax wrapper.
 
     Returns:
       The float32 scalar scale (a device array; no host sync).
 
     Raises:
       ValueError: if `opt_state` holds no `GradScalerState`, or several, or
-        one inside a wrapper it cannot work in (``optax.MultiSteps``...).
+        one beside or inside transforms that would train wrongly with it
+        (other elements of an ``optax.chain``, ``optax.MultiSteps``...).
 
     Examples:
       >>> import jax.numpy as jnp, optax
       >>> from mpjax.scaler import grad_scaler, get_scale
-      >>> tx = optax.chain(optax.identity(), grad_scaler(optax.sgd(0.1)))
+      >>> sgd = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+      >>> tx = grad_scaler(optax.chain(optax.clip_by_global_norm(1.0), sgd))
       >>> get_scale(tx.init(jnp.zeros(2)))
       Array(65536., dtype=float32)
     """
@@ -247,7 +250,8 @@ def scaler_stats(opt_state: Any) -> dict[str, jax.Array]:
 
     Raises:
       ValueError: if `opt_state` holds no `GradScalerState`, or several, or
-        one inside a wrapper it cannot work in (``optax.MultiSteps``...).
+        one beside or inside transforms that would train wrongly with it
+        (other elements of an ``optax.chain``, ``optax.MultiSteps``...).
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -294,7 +298,7 @@ def _find_state(opt_state: Any, caller: str) -> GradScalerState:
 
     search(opt_state, ())
     if len(found) == 1:
-        _check_not_hidden(opt_state, found[0][1], caller)
+        check_placement(opt_state, found[0][1], caller)
         return found[0][1]
     if not found:
         fields = set(GradScalerState._fields)
@@ -308,8 +312,8 @@ def _find_state(opt_state: Any, caller: str) -> GradScalerState:
         raise ValueError(
             f"{caller}: no GradScalerState found in `opt_state` (a "
             f"{type(opt_state).__name__}). Build the optimizer with "
-            "mpjax.grad_scaler(inner) (or static_scaler/noop_scaler); it may sit "
-            "anywhere inside optax.chain, inject_hyperparams or an nnx.Optimizer. "
+            "mpjax.grad_scaler(inner) (or static_scaler/noop_scaler) around the whole "
+            "optimizer (inside inject_hyperparams or an nnx.Optimizer if you like). "
             "Pass the state its init returned."
         )
     paths = ", ".join(jax.tree_util.keystr(path) or "<root>" for path, _ in found)
@@ -328,40 +332,6 @@ RESTORED_WITHOUT_TARGET = (
     "it as target)."
 )
 """What a scaler's state restored without its structure is told, by each function."""
-
-
-# Wrappers a scaler cannot work inside, and why: each trains wrongly without an error.
-_MISPLACED = {
-    optax.ApplyIfFiniteState: (
-        "the grad_scaler is wrapped in optax.apply_if_finite, which skips non-finite "
-        "steps before the scaler sees them: the scale never backs off and "
-        "skipped_steps stays 0. grad_scaler skips those steps itself: drop "
-        "apply_if_finite."
-    ),
-    optax.MultiStepsState: (
-        "the grad_scaler is wrapped in optax.MultiSteps, which resets its accumulator "
-        "by multiplying it by 0: one overflowing micro-batch leaves a NaN there (0 * "
-        "inf), and every later step is skipped. Accumulate in the scaler instead: "
-        "grad_scaler(inner, accumulation_steps=k)."
-    ),
-    optax.MaskedState: (
-        "the grad_scaler sits inside optax.multi_transform (or optax.masked), so it "
-        "sees only part of the parameters: the others' gradients are not checked, and "
-        "an overflow there (their loss is scaled too) is applied. Wrap the whole "
-        "optimizer: grad_scaler(optax.multi_transform(...))."
-    ),
-}
-
-
-def _check_not_hidden(opt_state, target, caller: str) -> None:
-    """A ValueError if `target` sits inside one of the `_MISPLACED` wrappers."""
-    wrappers = tuple(_MISPLACED)
-    flat = jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, wrappers))
-    for node in flat:
-        if isinstance(node, wrappers) and any(
-            x is target for x in jax.tree_util.tree_leaves(node, is_leaf=_is_scaler_state)
-        ):
-            raise ValueError(f"{caller}: {_MISPLACED[type(node)]}")
 
 
 def _value(field, dtype=None):

@@ -44,7 +44,7 @@ def _wrapped_optimizers():
     scaled = grad_scaler(optax.adam(1e-3), init_scale=2.0**8)
     return {
         "bare": scaled,
-        "chain": optax.chain(optax.clip(1.0), scaled, optax.scale(1.0)),
+        "chain_of_one": optax.chain(scaled),
         "inject_hyperparams": optax.inject_hyperparams(
             lambda learning_rate: grad_scaler(optax.sgd(learning_rate), init_scale=2.0**8)
         )(learning_rate=0.1),
@@ -82,6 +82,18 @@ def _misplaced_scalers():
             optax.apply_if_finite(scaled, max_consecutive_errors=5),
             "apply_if_finite",
         ),
+        # clip turns an inf into 1.0 before the scaler checks it: no skip, no backoff.
+        "after_clip_in_chain": (
+            optax.chain(optax.clip(1.0), scaled),
+            r"one of 2 transforms of an optax.chain.*grad_scaler\(optax.chain",
+        ),
+        # Momentum still moves the parameters on a skipped step's zero updates.
+        "before_trace_in_chain": (
+            optax.chain(grad_scaler(optax.sgd(0.1)), optax.trace(0.9)),
+            "optax.chain",
+        ),
+        # Lookahead's slow weights still sync on a skipped step.
+        "lookahead": (optax.lookahead(scaled, sync_period=2, slow_step_size=0.5), "LookaheadState"),
     }
 
 

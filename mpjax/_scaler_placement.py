@@ -1,0 +1,82 @@
+"""Where a scaler's state may sit in an optimizer state, and the errors where it may not.
+
+A scaler must wrap everything that transforms the gradients: a skipped step then
+changes nothing. Each placement refused here trains wrongly without an error of
+its own, so the helpers (`get_scale`, `scaled_value_and_grad`...) refuse it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+_FIX = "Put the whole optimizer inside one scaler: grad_scaler(optax.chain(...))."
+
+# Wrappers a scaler cannot work inside, and why.
+MISPLACED = {
+    optax.ApplyIfFiniteState: (
+        "the grad_scaler is wrapped in optax.apply_if_finite, which skips non-finite "
+        "steps before the scaler sees them: the scale never backs off and "
+        "skipped_steps stays 0. grad_scaler skips those steps itself: drop "
+        "apply_if_finite."
+    ),
+    optax.MultiStepsState: (
+        "the grad_scaler is wrapped in optax.MultiSteps, which resets its accumulator "
+        "by multiplying it by 0: one overflowing micro-batch leaves a NaN there (0 * "
+        "inf), and every later step is skipped. Accumulate in the scaler instead: "
+        "grad_scaler(inner, accumulation_steps=k)."
+    ),
+    optax.MaskedState: (
+        "the grad_scaler sits inside optax.multi_transform (or optax.masked), so it "
+        "sees only part of the parameters: the others' gradients are not checked, and "
+        "an overflow there (their loss is scaled too) is applied. Wrap the whole "
+        "optimizer: grad_scaler(optax.multi_transform(...))."
+    ),
+}
+
+# optax states that may hold a scaler: inject_hyperparams only feeds it settings.
+_TRANSPARENT = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+
+
+def check_placement(opt_state: Any, target: Any, caller: str) -> None:
+    """A ValueError if `target`, a scaler state in `opt_state`, sits where it trains wrongly."""
+    ancestors = _ancestors(opt_state, target) or []
+    for node in ancestors:  # the wrappers with a message of their own first
+        if type(node) in MISPLACED:
+            raise ValueError(f"{caller}: {MISPLACED[type(node)]}")
+    for node in ancestors:
+        if type(node) is tuple and len(node) > 1:
+            # optax.chain's state: a plain tuple of its transforms' states.
+            raise ValueError(
+                f"{caller}: the grad_scaler is one of {len(node)} transforms of an "
+                "optax.chain. The others do not take part in its skip: before it, they "
+                "run on every step (optax.clip hides an inf from it); after it, they run "
+                "on a skipped step's zero updates (momentum and weight decay still move "
+                f"the parameters). {_FIX}"
+            )
+        if _is_optax_state(node) and not isinstance(node, _TRANSPARENT):
+            raise ValueError(
+                f"{caller}: the grad_scaler sits inside an optax wrapper whose state is "
+                f"{type(node).__name__}; the wrapper keeps running on a skipped step. "
+                f"{_FIX}"
+            )
+
+
+def _is_optax_state(node) -> bool:
+    return isinstance(node, tuple) and type(node).__module__.split(".")[0] == "optax"
+
+
+def _ancestors(tree: Any, target: Any) -> list | None:
+    """The nodes on the path from `tree` down to `target` (excluded), or None."""
+    if tree is target:
+        return []
+    children = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)[0]
+    if len(children) == 1 and children[0] is tree:
+        return None  # a leaf
+    for child in children:
+        below = _ancestors(child, target)
+        if below is not None:
+            return [tree, *below]
+    return None
