@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpjax import _compat
+from mpjax import _linen
 from mpjax import _nnx
 from mpjax import _trace_cache
 from mpjax import control_flow  # noqa: F401  (registers the higher-order rules)
@@ -209,6 +210,10 @@ def _wrap(fun, region: Region, enabled: bool):
         with jax.named_scope(region.scope_name):
             if not enabled:
                 return fun(*args, **kwargs)
+            if _linen.in_module():
+                _linen.check_arguments(args, kwargs)
+                with _linen.no_leaks():
+                    return _autocast_call(fun, region, args, kwargs)
             if _nnx.has_nnx_objects((args, kwargs)):
                 return _nnx.call_with_state(
                     lambda pure, state_args: _autocast_call(pure, region, state_args, {}),

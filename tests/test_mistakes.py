@@ -13,6 +13,7 @@ correctly or stops at the first step with an error that names the fix.
 | a non-scalar loss | ValueError naming the shape and ``.mean()`` |
 | an NNX module with the default ``value_and_grad`` | differentiated with ``nnx.value_and_grad`` |
 | Linen ``TrainState.apply_gradients`` on a skipped step | the recipe below keeps ``step`` (and so the schedule) where it was |
+| ``@autocast`` on a Linen ``@nn.compact`` method, or an autocast closure creating Linen layers | TypeError / ValueError naming ``autocast(model.apply)`` (``init`` returned leaked tracers) |
 | a ``jax.custom_vjp`` whose inside should run in 16 bits | ``jax.custom_vjp(autocast(f))`` with ``defvjp(autocast(fwd), autocast(bwd))`` |
 """
 
@@ -27,6 +28,7 @@ from flax import nnx
 from flax.training import train_state
 
 import mpjax
+from conftest import all_eqns
 
 X = jax.random.normal(jax.random.key(0), (64, 16))
 Y = jnp.arange(64) % 4
@@ -316,3 +318,46 @@ def test_custom_vjp_inside_autocast():
     np.testing.assert_allclose(
         grads, reference, rtol=2e-2, atol=2e-2 * float(jnp.abs(reference).max())
     )
+
+
+class _DecoratedMethod(nn.Module):
+    @mpjax.autocast
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(x)
+
+
+class _ClosureCreatingLayers(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return mpjax.autocast(lambda x: nn.Dense(3)(x))(x)
+
+
+class _ClosureOverBoundLayer(nn.Module):
+    def setup(self):
+        self.dense = nn.Dense(3)
+
+    def __call__(self, x, cast=True):
+        return mpjax.autocast(self.dense)(x) if cast else self.dense(x)
+
+
+def test_autocast_inside_a_linen_method_names_model_apply():
+    # Without the check, init returned the parameters as leaked tracers.
+    x = jnp.ones((2, 4))
+    with pytest.raises(TypeError, match=r"Linen module _DecoratedMethod.*autocast\(model\.apply\)"):
+        _DecoratedMethod().init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"stored a traced value.*autocast\(model\.apply\)"):
+        _ClosureCreatingLayers().init(jax.random.key(0), x)
+    # Reading existing parameters inside a method traces nothing into the module: it
+    # works, in 16 bits, with the gradients of the parameters it closes over.
+    model = _ClosureOverBoundLayer()
+    variables = model.init(jax.random.key(0), x, cast=False)
+    chex.assert_trees_all_equal_dtypes(variables, jax.tree.map(jnp.float32, variables))
+    out = model.apply(variables, x)
+    chex.assert_trees_all_close(out, model.apply(variables, x, cast=False), atol=1e-2)
+    grads = jax.grad(lambda v: jnp.sum(model.apply(v, x)))(variables)
+    expected = jax.grad(lambda v: jnp.sum(model.apply(v, x, cast=False)))(variables)
+    chex.assert_trees_all_close(grads, expected, atol=1e-2)
+    jaxpr = jax.make_jaxpr(lambda v: model.apply(v, x))(variables)
+    dots = [e for e in all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    assert [v.aval.dtype for e in dots for v in e.invars] == [jnp.float16] * 2

@@ -1,0 +1,62 @@
+"""Flax Linen modules and `autocast`: the one use that cannot work, refused loudly.
+
+``autocast(model.apply)`` is the way: `apply` is a pure function of the variables.
+An autocast function run inside a Linen method (``@autocast`` on an
+``@nn.compact`` method, or ``autocast(lambda x: nn.Dense(3)(x))`` within one) is
+traced apart from the module, so at ``init`` the parameters it creates are that
+trace's values: they leak out of it, and ``init`` returns tracers without an
+error. Inside a Linen method autocast therefore checks for leaks and does not
+reuse traces (what the function reads from the module is not among its arguments).
+
+Flax is never imported here: while ``flax.linen`` is absent from `sys.modules`
+no Linen module can be running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import jax
+
+_FIX = (
+    "Autocast the whole model from outside instead: "
+    "mpjax.autocast(model.apply)(variables, x), for init as for apply "
+    "(mpjax.autocast(model.init) if init must run in mixed precision too)."
+)
+
+
+def in_module() -> bool:
+    """Whether a Flax Linen module's method is running (its scope is current)."""
+    linen = sys.modules.get("flax.linen.module")
+    stack = getattr(getattr(linen, "_context", None), "module_stack", None)
+    return bool(stack) and stack[-1] is not None
+
+
+def check_arguments(args, kwargs) -> None:
+    """A TypeError if a Linen module is among the arguments (``@autocast`` on a method)."""
+    linen = sys.modules.get("flax.linen")
+    leaves = jax.tree.leaves((args, kwargs))
+    module = next((x for x in leaves if isinstance(x, linen.Module)), None)
+    if module is not None:
+        raise TypeError(
+            f"autocast: an argument is the Flax Linen module {type(module).__name__} "
+            "(autocast used as a decorator on its method?). Autocast traces it apart "
+            "from its variables: at init the parameters leak out as tracers. " + _FIX
+        )
+
+
+@contextlib.contextmanager
+def no_leaks():
+    """Turns a tracer leaking into the running Linen module into a ValueError."""
+    with jax.checking_leaks():
+        try:
+            yield
+        except Exception as e:
+            if not str(e).startswith("Leaked trace"):
+                raise
+            raise ValueError(
+                "autocast: the function stored a traced value in the Flax Linen module "
+                "it runs in (a parameter created at init, or a sow): it would leak out "
+                "as a tracer. " + _FIX
+            ) from e
