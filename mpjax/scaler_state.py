@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mpjax._compat import is_tracer
 from mpjax._float32 import MIN_NORMAL_F32
 from mpjax._scaler_placement import check_placement
 
@@ -188,8 +189,10 @@ def set_scale(opt_state: Any, new_scale: float | jax.Array) -> Any:
 
     Args:
       opt_state: an optimizer state holding exactly one `GradScalerState`.
-      new_scale: the new scale: a finite number >= 2**-126, or a float32
-        scalar array (then not checked, so it may be traced).
+      new_scale: the new scale: a finite number >= 2**-126, as a Python number
+        or a scalar array (a traced one is not checked). For a state with a
+        scale per ensemble member (made with ``jax.vmap``), a scalar sets every
+        member's, an array of that shape each its own.
 
     Returns:
       A new optimizer state of the same structure.
@@ -197,7 +200,7 @@ def set_scale(opt_state: Any, new_scale: float | jax.Array) -> Any:
     Raises:
       ValueError: if `opt_state` holds no `GradScalerState` or several, or one
         inside a wrapper it cannot work in, or a concrete `new_scale` is not a
-        finite number >= 2**-126.
+        finite number >= 2**-126, or its shape is not the scale's.
       TypeError: if `new_scale` is neither a number nor an array.
 
     Examples:
@@ -223,8 +226,19 @@ def set_scale(opt_state: Any, new_scale: float | jax.Array) -> Any:
             "float32 number >= 2**-126 (a normal float32)."
         )
     value = jnp.asarray(new_scale, jnp.float32)
-    if value.shape != ():
-        raise ValueError(f"set_scale: new_scale must be a scalar, got shape {value.shape}.")
+    # A vmapped (ensemble) state holds one scale per member: a scalar sets them all.
+    shape = jnp.shape(jax.tree_util.tree_leaves(target.scale)[0])
+    if value.shape not in ((), shape):
+        each = f" or of the state's scale shape {shape}" if shape else ""
+        raise ValueError(f"set_scale: new_scale must be a scalar{each}, got shape {value.shape}.")
+    if not is_tracer(value) and not np.all(
+        (np.asarray(value) >= MIN_NORMAL_F32) & np.isfinite(np.asarray(value))
+    ):
+        raise ValueError(
+            f"set_scale: new_scale={new_scale!r} must hold finite "
+            "float32 numbers >= 2**-126 (a normal float32)."
+        )
+    value = jnp.broadcast_to(value, shape)
 
     def replace(node):
         if node is not target:

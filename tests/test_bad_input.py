@@ -478,6 +478,8 @@ def test_set_scale_of_something_else_than_a_number_names_new_scale(value):
     state = grad_scaler(optax.sgd(0.1)).init(PARAMS)
     with pytest.raises(TypeError, match=r"set_scale: new_scale must be a number"):
         set_scale(state, value)
+    with pytest.raises(ValueError, match=r"new_scale must be a scalar, got shape \(2,\)"):
+        set_scale(state, jnp.array([2.0, 4.0]))
 
 
 def test_autocast_as_a_context_manager_says_it_is_a_function_transform():
@@ -493,13 +495,16 @@ def test_rule_for_takes_a_name_or_a_primitive():
         mpjax.rule_for(42)
 
 
-@pytest.mark.parametrize("value", [0.0, -2.0, float("nan"), 1e39])
+@pytest.mark.parametrize(
+    "value",
+    [0.0, -2.0, float("nan"), 1e39, jnp.float32(jnp.nan), np.float32(-2.0), jnp.array(0.0)],
+)
 def test_set_scale_out_of_range_gives_the_valid_range(value):
     state = grad_scaler(optax.sgd(0.1)).init(PARAMS)
     with pytest.raises(
         ValueError,
-        match=r"set_scale: new_scale=.* must be a finite float32 "
-        r"number >= 2\*\*-126",
+        match=r"set_scale: new_scale=.* must (be a finite|hold finite) float32 "
+        r"numbers? >= 2\*\*-126",
     ):
         set_scale(state, value)
 

@@ -139,6 +139,24 @@ def test_set_scale_keeps_the_tracker_and_works_under_jit():
     assert int(state.growth_tracker) == 3 and float(state.scale) == 3.0
 
 
+def test_set_scale_on_an_ensemble_state_keeps_a_scale_per_member():
+    tx = grad_scaler(optax.sgd(0.1), init_scale=2.0**8)
+    members = jax.tree.map(lambda x: jnp.stack([x, 2 * x, 3 * x]), PARAMS)
+    state = jax.vmap(tx.init)(members)
+    chex.assert_trees_all_equal(get_scale(state), jnp.full(3, 2.0**8))
+    every = set_scale(state, 32.0)
+    chex.assert_trees_all_equal_structs(every, state)
+    chex.assert_trees_all_equal(get_scale(every), jnp.full(3, 32.0))
+    each = set_scale(state, jnp.array([1.0, 2.0, 4.0]))
+    chex.assert_trees_all_equal(get_scale(each), jnp.array([1.0, 2.0, 4.0]))
+    with pytest.raises(ValueError, match=r"scalar or of the state's scale shape \(3,\)"):
+        set_scale(state, jnp.ones(2))
+    # The ensemble's vmapped update still runs, each member at its own scale.
+    grads = jax.tree.map(jnp.ones_like, members)
+    _, new = jax.jit(jax.vmap(tx.update))(grads, each, members)
+    chex.assert_trees_all_equal(new.growth_tracker, jnp.ones(3, jnp.int32))
+
+
 def test_scaled_value_and_grad_with_aux_and_argnums():
     state = grad_scaler(optax.sgd(0.1), init_scale=4.0).init(PARAMS)
 
