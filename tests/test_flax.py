@@ -452,3 +452,43 @@ def test_linen_training_with_batch_stats_and_scaler():
     chex.assert_trees_all_equal_dtypes(batch_stats, variables["batch_stats"])
     chex.assert_tree_all_finite((params, batch_stats))
     assert int(mpjax.scaler_stats(opt_state)["skipped_steps"]) == 0
+
+
+# --------------------------------------------------------------------------
+# The docs' training steps on a step the scaler skips
+
+
+def _snippet(name):
+    import runpy
+    from pathlib import Path
+
+    return runpy.run_path(str(Path(__file__).parent.parent / "docs" / "snippets" / name))
+
+
+def test_linen_recipe_keeps_batch_stats_on_a_skipped_step():
+    ns = _snippet("flax_linen.py")
+    names = ("params", "batch_stats", "opt_state", "x", "y")
+    params, stats, opt_state, x, y = (ns[k] for k in names)
+    # An input that overflows float16 in the forward pass: the statistics the
+    # forward pass computes are not finite, and the gradients neither.
+    variables = {"params": params, "batch_stats": stats}
+    _, raw = ns["apply"](variables, x.at[0].set(1e6), train=True, mutable=["batch_stats"])
+    assert not all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree.leaves(raw))
+    new_params, new_stats, new_state, _ = ns["step"](params, stats, opt_state, x.at[0].set(1e6), y)
+    assert bool(mpjax.scaler_stats(new_state)["last_step_skipped"])
+    chex.assert_trees_all_equal((new_params, new_stats), (params, stats))
+    _, after, _, _ = ns["step"](params, stats, opt_state, x, y)
+    moved = [bool(jnp.any(a != b)) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(stats))]
+    assert any(moved)
+
+
+def test_nnx_recipe_keeps_batch_stats_on_a_skipped_step():
+    ns = _snippet("flax_nnx.py")
+    model, optimizer, x, y = (ns[k] for k in ("model", "optimizer", "x", "y"))
+    model.train()
+    before = jax.tree.map(jnp.copy, nnx.state(model, (nnx.Param, nnx.BatchStat)))
+    ns["step"](model, optimizer, x.at[0].set(1e6), y)
+    assert bool(mpjax.scaler_stats(optimizer.opt_state)["last_step_skipped"])
+    chex.assert_trees_all_equal(nnx.state(model, (nnx.Param, nnx.BatchStat)), before)
+    ns["step"](model, optimizer, x, y)
+    assert not bool(jnp.all(model.norm.mean[...] == before["norm"]["mean"][...]))

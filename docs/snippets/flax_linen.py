@@ -39,9 +39,14 @@ opt_state = optimizer.init(params)
 
 @jax.jit
 def step(params, batch_stats, opt_state, x, y):
-    (value, batch_stats), grads = mpjax.scaled_value_and_grad(
+    (value, new_stats), grads = mpjax.scaled_value_and_grad(
         loss_fn, opt_state, has_aux=True)(params, batch_stats, x, y)
     updates, opt_state = optimizer.update(grads, opt_state, params)
+    # A skipped step (an overflow) changes nothing: keep the statistics it computed
+    # from inf activations out as well.
+    skipped = mpjax.scaler_stats(opt_state)["last_step_skipped"]
+    batch_stats = jax.tree.map(lambda old, new: jnp.where(skipped, old, new),
+                               batch_stats, new_stats)
     return optax.apply_updates(params, updates), batch_stats, opt_state, value
 
 

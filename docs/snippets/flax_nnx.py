@@ -30,9 +30,14 @@ loss = mpjax.autocast(loss_fn)     # modules pass straight through; their update
 
 @nnx.jit
 def step(model, optimizer, x, y):
+    stats = jax.tree.map(jnp.copy, nnx.state(model, nnx.BatchStat))  # a copy, not a view
     # NNX modules are differentiated with nnx.value_and_grad, by themselves.
     value, grads = mpjax.scaled_value_and_grad(loss, optimizer.opt_state)(model, x, y)
     optimizer.update(model, grads)
+    # A skipped step (an overflow) changes nothing: undo what its forward pass wrote.
+    skipped = mpjax.scaler_stats(optimizer.opt_state)["last_step_skipped"]
+    new = nnx.state(model, nnx.BatchStat)
+    nnx.update(model, jax.tree.map(lambda old, new: jnp.where(skipped, old, new), stats, new))
     return value
 
 
