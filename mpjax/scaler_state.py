@@ -315,13 +315,21 @@ def _find_state(opt_state: Any, caller: str) -> GradScalerState:
         check_placement(opt_state, found[0][1], caller)
         return found[0][1]
     if not found:
-        fields = set(GradScalerState._fields)
+        # The fields as a mapping; an empty accumulator or flags may have been dropped.
+        fields = set(GradScalerState._fields) - {"grad_accumulator", "nonfinite_subtrees"}
         if any(
             isinstance(x, Mapping) and fields <= set(x)
             for x in jax.tree_util.tree_leaves(
                 opt_state, is_leaf=lambda x: isinstance(x, Mapping) and fields <= set(x)
             )
         ):
+            if type(opt_state).__module__.startswith("flax.nnx"):
+                raise ValueError(
+                    f"{caller}: `opt_state` is a flax.nnx.State (from nnx.state or "
+                    "nnx.split), which holds the scaler's fields without their structure. "
+                    "Pass the optimizer's own state, optimizer.opt_state (after nnx.merge "
+                    "in the functional API)."
+                )
             raise ValueError(f"{caller}: `opt_state` {RESTORED_WITHOUT_TARGET}")
         raise ValueError(
             f"{caller}: no GradScalerState found in `opt_state` (a "

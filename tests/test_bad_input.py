@@ -473,6 +473,18 @@ def test_a_checkpoint_restored_without_a_target_says_so():
             helper(raw)
 
 
+def test_an_nnx_state_of_the_optimizer_names_optimizer_opt_state():
+    from flax import nnx
+
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, grad_scaler(optax.adam(1e-3)), wrt=nnx.Param)
+    for state in (nnx.state(optimizer), nnx.split(optimizer)[1]):
+        for helper in (get_scale, scaler_stats, lambda s: set_scale(s, 2.0)):
+            with pytest.raises(ValueError, match=r"flax\.nnx\.State .*optimizer\.opt_state"):
+                helper(state)
+    assert float(get_scale(optimizer.opt_state)) == 2.0**16
+
+
 @pytest.mark.parametrize("value", [None, "1024", True, [2.0]])
 def test_set_scale_of_something_else_than_a_number_names_new_scale(value):
     state = grad_scaler(optax.sgd(0.1)).init(PARAMS)
