@@ -99,8 +99,8 @@ def autocast(
     bfloat16.
 
     Args:
-      fun: the function to transform. Omit it to use ``autocast(dtype=...)`` as a
-        decorator.
+      fun: the function to transform, or an NNX module (what it writes is kept).
+        Omit it to use ``autocast(dtype=...)`` as a decorator.
       dtype: ``jnp.float16`` (default) or ``jnp.bfloat16``.
       enabled: if False, `fun` runs as written (and so does any region nested in
         it that does not enable autocast again).
@@ -202,6 +202,9 @@ def _check_fun(fun) -> None:
 
 def _wrap(fun, region: Region, enabled: bool):
     """`fun` run under `region`, in a named scope that nested calls read back."""
+    bound = _nnx.bound_module(fun)
+    if bound is not None:
+        return _wrap_module(fun, bound, region, enabled)
 
     cache = _trace_cache.TraceCache()  # eager calls: one trace per argument signature
 
@@ -227,6 +230,20 @@ def _wrap(fun, region: Region, enabled: bool):
     # functools.wraps in other transforms (jax.grad) copies attributes onward.
     wrapped.__mpjax_autocast__ = (wrapped, fun)
     return wrapped
+
+
+def _wrap_module(fun, bound, region: Region, enabled: bool):
+    """``autocast(model)`` or ``autocast(model.method)``: the module is passed as an
+    argument, so that what the call writes to it (BatchNorm's statistics) is kept."""
+    module, method = bound
+    inner = _wrap(method, region, enabled)
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        return inner(module, *args, **kwargs)
+
+    call.__mpjax_autocast__ = (call, fun)
+    return call
 
 
 _STATIC_HINT = (

@@ -43,6 +43,24 @@ def _nnx_leaves(tree):
     return jax.tree.flatten(tree, is_leaf=_is_nnx_or_state)
 
 
+def bound_module(fun):
+    """``(module, function)`` when `fun` is an NNX module or a bound method of one.
+
+    Called as `fun`, the module would be closed over, and a write to it from the
+    traced function (BatchNorm's statistics) fails; passed as the function's
+    first argument, its updates are carried back like any module argument's.
+    """
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return None
+    if isinstance(fun, nnx.Module):
+        return fun, type(fun).__call__
+    owner = getattr(fun, "__self__", None)
+    if isinstance(owner, nnx.Module) and hasattr(fun, "__func__"):
+        return owner, fun.__func__
+    return None
+
+
 def has_nnx_objects(tree) -> bool:
     """Whether the arguments hold NNX objects whose state autocast must carry."""
     if sys.modules.get("flax.nnx") is None:

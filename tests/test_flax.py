@@ -110,6 +110,26 @@ def test_nnx_state_updates_kept_under_autocast(low):
     np.testing.assert_allclose(model.activation_sum[...], reference.activation_sum[...], rtol=2e-2)
 
 
+@pytest.mark.parametrize("how", ["module", "bound_method"])
+def test_nnx_module_itself_autocast_keeps_its_updates(how, low):
+    # autocast(model)(x): the module is the function. Called as it stands it would
+    # be closed over, and BatchNorm's write raised Flax's TraceContextError.
+    model, as_argument, reference = make_net(), make_net(), make_net()
+    x, _ = next(batches(1))
+    fast = mpjax.autocast(model if how == "module" else model.__call__, dtype=low)
+    out = fast(x)
+    # The same, bit for bit, as the module passed as an argument (whose equations'
+    # dtypes the tests above check), and close to float32.
+    chex.assert_trees_all_equal(out, mpjax.autocast(forward, dtype=low)(as_argument, x))
+    chex.assert_trees_all_equal(nnx.state(model), nnx.state(as_argument))
+    chex.assert_trees_all_close(out, reference(x), rtol=0.1, atol=0.05)
+    assert int(model.calls[...]) == 1
+    chex.assert_trees_all_equal_dtypes(nnx.state(model), nnx.state(reference))
+    chex.assert_trees_all_close(
+        nnx.state(model, nnx.BatchStat), nnx.state(reference, nnx.BatchStat), **STAT_TOL[low]
+    )
+
+
 def test_nnx_dropout_masks_differ_between_steps(low):
     model = make_net()
     x = jnp.ones((8, 32))
