@@ -151,6 +151,7 @@ def grad_scaler(
 
     Raises:
       ValueError: if an argument is out of its valid range.
+      TypeError: if `inner` is not an optax transformation.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -266,6 +267,7 @@ def noop_scaler(
       Array(1., dtype=float32)
     """
     check_inner("noop_scaler", inner)
+    check_accumulation("noop_scaler", accumulation_steps, accumulation)  # errors by this name
     return grad_scaler(
         inner, enabled=False, accumulation_steps=accumulation_steps, accumulation=accumulation
     )

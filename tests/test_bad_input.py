@@ -397,6 +397,11 @@ OUT_OF_RANGE = [
         r"static_scaler: accumulation_steps must be an integer in \[1, ",
     ),
     (
+        mpjax.noop_scaler,
+        dict(accumulation_steps=2),
+        r"noop_scaler\(accumulation_steps=2\): pass accumulation='mean'",
+    ),
+    (
         grad_scaler,
         dict(check_updates="no"),
         r"grad_scaler: check_updates must be True or False, got 'no'",
