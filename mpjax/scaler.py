@@ -115,10 +115,10 @@ def grad_scaler(
     (the loss's own, as every optax transformation does; plain ``jax.grad``'s train
     too, without the underflow protection) and checks that all are finite. If so,
     it returns ``inner``'s updates and state; if not, updates of -0.0 (which keep
-    every bit of a parameter) and ``inner``'s state bit for bit as it was. The scale then changes as torch's
-    ``_amp_update_scale_``, bit for bit, with no host sync. Wrap the whole
-    ``optax.chain``: only a wrapper can skip a step exactly. Deliberate differences
-    from torch are in `mpjax.scaler`; ``init`` refuses float16 parameters.
+    every bit of a parameter) and ``inner``'s state bit for bit. The scale changes as
+    torch's ``_amp_update_scale_``, bit for bit, with no host sync. Wrap the whole
+    ``optax.chain``: only a wrapper skips a step exactly. Differences from torch are
+    in `mpjax.scaler`; ``init`` refuses float16 parameters.
 
     Args:
       inner: the optimizer to wrap (any optax transformation or chain).
