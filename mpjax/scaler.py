@@ -116,9 +116,8 @@ def grad_scaler(
     too, without the underflow protection) and checks that all are finite. If so,
     it returns ``inner``'s updates and state; if not, updates of -0.0 (which keep
     every bit of a parameter) and ``inner``'s state bit for bit. The scale changes as
-    torch's ``_amp_update_scale_``, bit for bit, with no host sync. Wrap the whole
-    ``optax.chain``: only a wrapper skips a step exactly. Differences from torch are
-    in `mpjax.scaler`; ``init`` refuses float16 parameters.
+    torch's ``_amp_update_scale_`` (differences: `mpjax.scaler`), with no host sync.
+    Wrap the whole ``optax.chain``: only a wrapper skips a step exactly.
 
     Args:
       inner: the optimizer to wrap (any optax transformation or chain).
@@ -150,7 +149,7 @@ def grad_scaler(
       `GradScalerState`; extra keyword arguments of ``update`` go to ``inner``.
 
     Raises:
-      ValueError: if an argument is out of its valid range.
+      ValueError: if an argument is out of its valid range; ``init``: on float16 parameters.
       TypeError: if `inner` is not an optax transformation.
 
     Examples:
