@@ -5,8 +5,9 @@ An autocast function run inside a Linen method (``@autocast`` on an
 ``@nn.compact`` method, or ``autocast(lambda x: nn.Dense(3)(x))`` within one) is
 traced apart from the module, so at ``init`` the parameters it creates are that
 trace's values: they leak out of it, and ``init`` returns tracers without an
-error. Inside a Linen method autocast therefore checks for leaks and does not
-reuse traces (what the function reads from the module is not among its arguments).
+error. Inside a Linen method autocast therefore looks for values of its trace left
+in the module's variables, and does not reuse traces (what the function reads from
+the module is not among its arguments).
 
 Flax is never imported here: while ``flax.linen`` is absent from `sys.modules`
 no Linen module can be running.
@@ -18,6 +19,8 @@ import contextlib
 import sys
 
 import jax
+
+from mpjax._compat import is_tracer
 
 _FIX = (
     "Autocast the whole model from outside instead: "
@@ -48,15 +51,15 @@ def check_arguments(args, kwargs) -> None:
 
 @contextlib.contextmanager
 def no_leaks():
-    """Turns a tracer leaking into the running Linen module into a ValueError."""
-    with jax.checking_leaks():
-        try:
-            yield
-        except Exception as e:
-            if not str(e).startswith("Leaked trace"):
-                raise
-            raise ValueError(
-                "autocast: the function stored a traced value in the Flax Linen module "
-                "it runs in (a parameter created at init, or a sow): it would leak out "
-                "as a tracer. " + _FIX
-            ) from e
+    """A ValueError if the call left a value of its trace in the running Linen module."""
+    module = sys.modules["flax.linen.module"]._context.module_stack[-1]
+    before = {id(x) for x in jax.tree.leaves(module.variables) if is_tracer(x)}
+    yield
+    # A traced value that was not in the module before the call is one of the call's
+    # own trace, which has ended: it escaped it.
+    if any(is_tracer(x) and id(x) not in before for x in jax.tree.leaves(module.variables)):
+        raise ValueError(
+            "autocast: the function stored a traced value in the Flax Linen module "
+            "it runs in (a parameter created at init, or a sow): it would leak out "
+            "as a tracer. " + _FIX
+        )
