@@ -243,6 +243,7 @@ def _wrap_module(fun, bound, region: Region, enabled: bool):
         return inner(module, *args, **kwargs)
 
     call.__mpjax_autocast__ = (call, fun)
+    call.__mpjax_module__ = (inner, module)  # `audit` traces `inner` with the module passed
     return call
 
 

@@ -124,6 +124,10 @@ def audit(fun: Callable, *args, **kwargs) -> AuditReport:
             f"audit(fun, ...): fun must be callable, got {type(fun).__name__}. "
             "Pass the function and its arguments: audit(autocast(f), *args)."
         )
+    if hasattr(fun, "__mpjax_module__"):
+        # ``autocast(nnx_model)``: traced with the module passed in, as it runs.
+        fun, module = fun.__mpjax_module__
+        args = (module, *args)
     equations, casts, flops, low_flops = _walk(_trace(fun, args, kwargs))
     inserted = None
     wrapper, original = getattr(fun, "__mpjax_autocast__", (None, None))

@@ -128,6 +128,12 @@ def test_nnx_module_itself_autocast_keeps_its_updates(how, low):
     chex.assert_trees_all_close(
         nnx.state(model, nnx.BatchStat), nnx.state(reference, nnx.BatchStat), **STAT_TOL[low]
     )
+    # audit traces it too, without touching the module.
+    state = jax.tree.map(jnp.copy, nnx.state(model))
+    report = mpjax.audit(fast, x)
+    assert [e.in_dtypes for e in report.find("dot_general")] == [(low.name, low.name)] * 3
+    assert report.casts_inserted > 0
+    chex.assert_trees_all_equal(nnx.state(model), state)
 
 
 def test_nnx_dropout_masks_differ_between_steps(low):
