@@ -478,7 +478,7 @@ def test_a_checkpoint_restored_without_a_target_says_so():
             helper(raw)
 
 
-def test_an_nnx_state_of_the_optimizer_names_optimizer_opt_state():
+def test_helpers_on_an_nnx_optimizers_states_name_the_fix():
     from flax import nnx
 
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
@@ -488,6 +488,11 @@ def test_an_nnx_state_of_the_optimizer_names_optimizer_opt_state():
             with pytest.raises(ValueError, match=r"flax\.nnx\.State .*optimizer\.opt_state"):
                 helper(state)
     assert float(get_scale(optimizer.opt_state)) == 2.0**16
+    # Through nnx.Optimizer's wrappers, a scaler beside a clip in a chain is found out.
+    chained = optax.chain(optax.clip(1.0), grad_scaler(optax.adam(1e-3)))
+    optimizer = nnx.Optimizer(model, chained, wrt=nnx.Param)
+    with pytest.raises(ValueError, match=r"one of 2 transforms of an optax\.chain"):
+        scaled_value_and_grad(lambda m: jnp.sum(m.kernel[...]), optimizer.opt_state)
 
 
 @pytest.mark.parametrize("value", [None, "1024", True, [2.0]])
