@@ -7,6 +7,9 @@ Linen: mutable collections come back from `autocast(model.apply)` at their
 original dtypes, and the layers' matrix products run in the low dtype.
 """
 
+import runpy
+from pathlib import Path
+
 import chex
 import flax.linen as nn
 import jax
@@ -485,9 +488,6 @@ def test_linen_training_with_batch_stats_and_scaler():
 
 
 def _snippet(name):
-    import runpy
-    from pathlib import Path
-
     return runpy.run_path(str(Path(__file__).parent.parent / "docs" / "snippets" / name))
 
 
