@@ -93,7 +93,8 @@ def test_scaler_adds_a_few_kernels_per_leaf(kwargs, per_leaf, fixed):
     for n in (50, 200):
         assert scaled[n] - bare[n] <= per_leaf * n + fixed, (n, scaled[n], bare[n])
     growth = (scaled[200] - scaled[50]) - (bare[200] - bare[50])
-    assert growth <= per_leaf * 150, (growth, scaled, bare)
+    # + 1: XLA:GPU splits the finite check of 200 leaves into two horizontal fusions
+    assert growth <= per_leaf * 150 + 1, (growth, scaled, bare)
 
 
 def test_accumulating_update_grows_linearly_with_the_number_of_leaves():
