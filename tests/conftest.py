@@ -1,13 +1,24 @@
 """Shared helpers: a checker that every equation of a program obeys the policy."""
 
 import datetime
+import importlib.metadata
 import os
 import re
+import shutil
+import tempfile
 
 # Eight simulated CPU devices for the data-parallel tests; set before jax starts.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+# The suite tests what programs compute, not how fast they run: it compiles its
+# thousands of programs with LLVM's cheapest code generation (HLO optimization,
+# fusion included, runs as usual), and on jaxlib 0.10 with XLA's older kernel
+# emitters, which compile a small program in half the time (later jaxlibs have only
+# the newer). A run that sets the optimization level itself keeps it.
+_FLAGS = os.environ.get("XLA_FLAGS", "")
+if "xla_backend_optimization_level" not in _FLAGS:
+    _FLAGS += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    if importlib.metadata.version("jaxlib").startswith("0.10."):
+        _FLAGS += " --xla_cpu_use_fusion_emitters=false"
+os.environ["XLA_FLAGS"] = (_FLAGS + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -22,6 +33,23 @@ from mpjax.policy import Rule  # noqa: E402
 # derivatives, have none (tests/test_float32_sums.py); a test that builds one
 # outside autocast on purpose lifts the guard with `jax.allow_f16_reductions(True)`.
 jax.config.update("jax_allow_f16_reductions", False)
+
+# Many tests compile the same program again (a model per parametrization, the same
+# eager primitives): a compilation cache shared by this run's xdist workers turns
+# those into reads. The process that starts the run makes it, its workers inherit
+# it, and it is removed when the run ends.
+_OWN_CACHE = "MPJAX_TESTS_XLA_CACHE" not in os.environ
+if _OWN_CACHE:
+    os.environ["MPJAX_TESTS_XLA_CACHE"] = tempfile.mkdtemp(prefix="mpjax-tests-xla-cache-")
+jax.config.update("jax_compilation_cache_dir", os.environ["MPJAX_TESTS_XLA_CACHE"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def pytest_sessionfinish(session):
+    if _OWN_CACHE:
+        shutil.rmtree(os.environ["MPJAX_TESTS_XLA_CACHE"], ignore_errors=True)
+
 
 PROPERTY_SEED = int(
     os.environ.get("MPJAX_PROPERTY_SEED", datetime.datetime.now(datetime.UTC).date().toordinal())

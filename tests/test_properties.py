@@ -96,7 +96,7 @@ EVERY_OP = [
     [(name, 2 + k, k) for k, name in enumerate(sorted(OPS)[group::3])] for group in range(3)
 ]
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _every_op(test):
