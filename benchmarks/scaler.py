@@ -1,6 +1,7 @@
 """The loss scaler's own cost against the bare optimizer, in one process.
 
     PYTHONPATH=. python -m benchmarks.scaler [--leaves 10 100 1000 10000] [--params 1e6 1e8]
+        [--donate]
         [--scalers grad_scaler ...] [--parts] [--compile-models gpt vit resnet]
         [--models gpt resnet] [--check 1e4 1e5 1e6 1e7]
         [--repeats 15] [--compile-repeats 3]
@@ -12,7 +13,9 @@ too), and for optax's own skip-on-non-finite wrapper, `optax.apply_if_finite`:
 * compile: trace, lower and compile ``jax.jit(tx.update)`` on a dict of n small
   leaves (the median of interleaved repeats);
 * step: run time of the compiled update on a tree of 10 leaves holding the given
-  number of parameters in all (the median of interleaved repeats).
+  number of parameters in all (the median of interleaved repeats); with
+  ``--donate``, each update donates its state and the next call takes the state it
+  returned, as a training step jitted with ``donate_argnums`` does.
 
 ``--scalers`` names the wrappers to measure (all three by default): at 10000 leaves
 each compile takes minutes.
@@ -159,17 +162,44 @@ def _step_seconds(fn, *args, calls: int) -> dict[str, float]:
     return {"step": (time.perf_counter() - t0) / calls}
 
 
+def _donated_step_seconds(update, grads, state: list, params, calls: int) -> dict[str, float]:
+    """`_step_seconds` of an update that donates its state: each call takes the
+    state the last one returned (``state[0]``), as a training loop does."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        _, state[0] = update(grads, state[0], params)
+    jax.block_until_ready(state[0])
+    return {"step": (time.perf_counter() - t0) / calls}
+
+
 def step_ratio(
-    total_params: int, leaves: int = 10, repeats: int = 15, names=tuple(_SCALERS)
+    total_params: int,
+    leaves: int = 10,
+    repeats: int = 15,
+    names=tuple(_SCALERS),
+    donate: bool = False,
 ) -> dict:
-    """Run time of the compiled update, each named wrapper over bare adam."""
+    """Run time of the compiled update, each named wrapper over bare adam.
+
+    With `donate`, each update donates its optimizer state (``donate_argnums``), so
+    that XLA may write the new state over the old, as in a training step jitted
+    with its state donated.
+    """
     params = _leaves(leaves, total_params // leaves)
     grads = jax.tree.map(lambda p: p * 0.25, params)
     calls = min(100, max(1, int(2e7 // total_params)))
     contenders = {}
     for name, tx in _contenders(names).items():
-        update, state = jax.jit(tx.update), tx.init(params)
-        contenders[name] = lambda u=update, s=state: _step_seconds(u, grads, s, params, calls=calls)
+        if donate:
+            update, state = jax.jit(tx.update, donate_argnums=1), [tx.init(params)]
+            contenders[name] = lambda u=update, s=state: _donated_step_seconds(
+                u, grads, s, params, calls=calls
+            )
+        else:
+            update, state = jax.jit(tx.update), tx.init(params)
+            contenders[name] = lambda u=update, s=state: _step_seconds(
+                u, grads, s, params, calls=calls
+            )
     med = timing.interleaved(contenders, repeats=repeats)
     return {"params": total_params, **_ratios(med, "step", names)}
 
@@ -203,6 +233,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--leaves", type=int, nargs="*", default=[10, 100, 1000])
     parser.add_argument("--params", type=float, nargs="*", default=[1e6])
+    parser.add_argument(
+        "--donate", action="store_true", help="the step-time updates donate their state"
+    )
     parser.add_argument("--parts", action="store_true", help="the scaler's halves' compile")
     parser.add_argument(
         "--scalers",
@@ -245,9 +278,10 @@ def main(argv=None) -> None:
         print(f"| {family} ({r['leaves']}) | {_row(r, args.scalers, '.2f', 1)}", flush=True)
     if args.params:
         print()
-        print(_header("parameters (10 leaves)", "adam step (ms)", args.scalers, "ms"))
+        state = "state donated" if args.donate else "state not donated"
+        print(_header(f"parameters (10 leaves, {state})", "adam step (ms)", args.scalers, "ms"))
     for p in args.params:
-        r = step_ratio(int(p), repeats=args.repeats, names=tuple(args.scalers))
+        r = step_ratio(int(p), repeats=args.repeats, names=tuple(args.scalers), donate=args.donate)
         print(f"| {int(p):.0e} | {_row(r, args.scalers, '.2f', 1e3)}", flush=True)
     if args.check:
         print()

@@ -12,8 +12,11 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import compiled_kernels
+
+import mpjax
 
 # `benchmarks/` sits beside `mpjax/` in the repository and is not installed.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -258,6 +261,27 @@ def test_scaler_benchmark_measures_only_the_named_wrappers(capsys):
     assert "apply_if_finite" not in out and "check_updates" not in out
     rows = [line.split("|") for line in out.splitlines() if line.startswith("| 3")]
     assert [len(row) for row in rows] == [6, 6] and all(float(row[4]) > 0 for row in rows)
+
+
+def test_scaler_benchmark_donates_the_state_and_feeds_it_forward(capsys):
+    """``--donate`` times updates that write over their state, as a training step
+    does: each call takes the state the last returned, and the old one is gone."""
+    from benchmarks import scaler
+
+    tx = mpjax.grad_scaler(optax.adam(1e-3))
+    params = {"w": jnp.ones([8]), "b": jnp.ones([3])}
+    first = tx.init(params)
+    state = [first]
+    update = jax.jit(tx.update, donate_argnums=1)
+    scaler._donated_step_seconds(update, params, state, params, calls=3)
+    assert int(state[0].inner_state[0].count) == 3
+    assert first.inner_state[0].mu["w"].is_deleted()  # donated, not copied
+
+    scaler.main(["--leaves", "--params", "3000", "--donate", "--scalers", "grad_scaler"])
+    out = capsys.readouterr().out
+    assert "| parameters (10 leaves, state donated) |" in out
+    (row,) = [line.split("|") for line in out.splitlines() if line.startswith("| 3e+03")]
+    assert float(row[4]) > 0
 
 
 def test_scaler_benchmark_compiles_on_a_models_parameter_tree(capsys):
