@@ -19,10 +19,16 @@ MIN_LOG2, MAX_LOG2 = -14, 64  # grad_scaler's default min_scale; far beyond any 
 _KEY = re.compile(r"\['([^']*)'\]|\[(\d+)\]|\.(\w+)")
 
 
-def recommended_scale(largest: float) -> float:
-    """``2**k``: the largest power of two with ``2**k * largest * HEADROOM <= 65504``."""
+def recommended_scale(largest: float) -> float | None:
+    """``2**k``: the largest power of two with ``2**k * largest * HEADROOM <= 65504``.
+
+    None where `largest` is zero: no 16-bit backward value to keep in range, so
+    nothing to derive a scale from (not "any scale": every gradient is lost).
+    """
+    if largest == 0:
+        return None
     if not largest > 0 or not math.isfinite(largest):
-        return 2.0**MAX_LOG2 if largest == 0 else 2.0**MIN_LOG2
+        return 2.0**MIN_LOG2
     # frexp: floor(log2(x)) exactly, x = m * 2**e with 0.5 <= m < 1.
     k = math.frexp(RANGES["float16"][0] / (HEADROOM * largest))[1] - 1
     return 2.0 ** min(max(k, MIN_LOG2), MAX_LOG2)
@@ -92,8 +98,28 @@ def _backward_and_scale(run, layers) -> list[str]:
             )
         out.append(text)
     if run.recommended_scale is None:
+        if run.dtype == "float16":
+            return out + _no_gradient(run)
         return out + _underflow_bfloat16(run, layers)
     return out + _scale(run, layers)
+
+
+def _no_gradient(run) -> list[str]:
+    if not any(leaf.reference_max_abs > 0 for leaf in run.leaves):
+        return [
+            "The float32 gradients are zero too: this step has no gradient to scale "
+            "(a loss that does not depend on the parameters, or a batch that makes "
+            "it constant)."
+        ]
+    return [
+        f"float16 at scale {run.scale:g}: every 16-bit value of the backward pass is "
+        "zero, here and at the largest scale float32's gradients allow, so no loss "
+        "scale brings the gradients back: they are lost before the backward pass, "
+        "in the forward pass (a normalization over a constant batch, for one: zero "
+        "in 16 bits, rounding noise in float32). Compare each module's values in 16 bits with "
+        "float32's above, and keep the one that loses them in float32 with a "
+        "nested `mpjax.autocast(fn, enabled=False)`, or use bfloat16."
+    ]
 
 
 def _worst(leaves) -> str:

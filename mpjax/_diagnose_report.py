@@ -115,7 +115,8 @@ class Run:
     (measured again at scale 1 when the backward pass overflowed at `scale`)."""
     recommended_scale: float | None
     """float16: ``2**k``, the largest power of two with
-    ``2**k * max_gradient * HEADROOM <= 65504``; None for bfloat16."""
+    ``2**k * max_gradient * HEADROOM <= 65504``; None for bfloat16, and where every
+    16-bit backward value is zero (nothing to derive a scale from)."""
     leaves_at_recommended: tuple[LeafGradient, ...] = ()
     """The gradients measured again at `recommended_scale`, when it is above `scale`
     and some gradients underflowed at `scale`."""

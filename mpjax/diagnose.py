@@ -302,11 +302,12 @@ def _scale_figures(program, low, problem, reference, calls):
     largest = low.backward_low_max
     if "backward" in low.origins or largest * low.scale < RANGES["float16"][1]:
         probe = advice.recommended_scale(reference.backward_max)
-        runs[probe] = program.evaluate(probe, calls, False, reference.nonfinite_at)
-        largest = runs[probe].backward_low_max
+        if probe is not None:  # (None: float32's backward pass is zero too)
+            runs[probe] = program.evaluate(probe, calls, False, reference.nonfinite_at)
+            largest = runs[probe].backward_low_max
     recommended = advice.recommended_scale(largest)
     leaves = _leaf_gradients(problem, low, reference, low.scale)
-    if recommended <= low.scale or not any(
+    if recommended is None or recommended <= low.scale or not any(
         leaf.underflow > advice.UNDERFLOW_SHARE for leaf in leaves
     ):
         return largest, recommended, ()

@@ -193,6 +193,45 @@ def test_recommended_scale_follows_the_formula():
     assert run.leaves[0].max_abs == largest and run.leaves[0].overflow == 0.0
 
 
+class _DenseBatchNorm(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.BatchNorm(use_running_average=False)(nn.Dense(8)(x))
+        return nn.Dense(1)(x)
+
+
+def test_a_backward_pass_zero_in_16_bits_gets_no_scale():
+    """A constant batch through BatchNorm: exact zeros in float16, rounding noise
+    in float32. Every 16-bit backward value is zero, at any scale: no scale is
+    derived from that (it once advised 2**64), the advice says where to look."""
+    model, x = _DenseBatchNorm(), jnp.ones((16, 4))
+    variables = model.init(jax.random.key(0), x)
+
+    def loss_fn(params, x):
+        stats = {"batch_stats": variables["batch_stats"]}
+        y, _ = model.apply({"params": params, **stats}, x, mutable=["batch_stats"])
+        return jnp.mean(y**2)
+
+    report = mpjax.diagnose(loss_fn, variables["params"], x)
+    (run,) = report.runs
+    assert run.max_gradient == 0.0 and run.recommended_scale is None
+    assert max(leaf.reference_max_abs for leaf in run.leaves) > 0
+    (advice,) = report.recommendations
+    assert "no loss scale brings the gradients back" in advice and "2**" not in advice
+    assert report.as_dict()["runs"][0]["recommended_scale"] is None
+
+
+def test_a_loss_without_gradient_gets_no_scale():
+    def loss_fn(w, x):
+        return jnp.sum(x) + 0.0 * jnp.sum(lax.stop_gradient(w))
+
+    w, x = jnp.ones((4, 2)), jnp.ones((3, 4))
+    (run,) = mpjax.diagnose(loss_fn, w, x).runs
+    assert run.recommended_scale is None and run.max_gradient == 0.0
+    (advice,) = mpjax.diagnose(loss_fn, w, x).recommendations
+    assert advice.startswith("The float32 gradients are zero too")
+
+
 def test_a_scan_is_searched_step_by_step():
     def loss_fn(w, c0):
         c, _ = lax.scan(lambda c, _: (c @ w, None), c0, None, length=6)  # SCAN
