@@ -3,7 +3,7 @@
     PYTHONPATH=. python -m benchmarks.scaler [--leaves 10 100 1000 10000] [--params 1e6 1e8]
         [--donate]
         [--scalers grad_scaler ...] [--parts] [--compile-models gpt vit resnet]
-        [--models gpt resnet] [--check 1e4 1e5 1e6 1e7]
+        [--compile-steps gpt resnet] [--models gpt resnet] [--check 1e4 1e5 1e6 1e7]
         [--repeats 15] [--compile-repeats 3]
 
 Two ratios over bare `optax.adam(1e-3)`, each for `grad_scaler(optax.adam(1e-3))` with
@@ -29,6 +29,10 @@ is a jit argument).
 With ``--compile-models``, the compile ratio on the parameter tree of each named
 benchmark model at its full size (`benchmarks.models.SIZES`): leaves of many shapes,
 each shape a kernel of its own, where the n small leaves above share one.
+
+With ``--compile-steps``, the same for the whole jitted training step of each named
+benchmark model at full size (autocast float16 loss, forward, backward and AdamW),
+with `grad_scaler(adamw)` against plain adamw: the compile a user waits for.
 
 With ``--check``, the finite check of one float32 leaf of each size alone, by
 a reduction over booleans and by `mpjax._finite.nonfinite`'s max over bytes (the
@@ -112,6 +116,22 @@ def model_compile_ratio(family: str, repeats: int = 3, names=tuple(_SCALERS)) ->
     }
     med = timing.interleaved(contenders, repeats=repeats, warmup=False)
     return {"leaves": len(jax.tree.leaves(params)), **_ratios(med, "total", names)}
+
+
+def step_compile_ratio(family: str, repeats: int = 3) -> dict:
+    """Trace, lower and compile of a whole training step of a benchmark model at full
+    size (autocast float16 loss, AdamW), with `grad_scaler` over without: what the
+    scaler adds to the compile a user waits for."""
+    spec = SIZES["full"][family]
+    med = timing.interleaved(
+        {
+            "adam": lambda: timing.compile_times(spec, "autocast-f16", scaler=False),
+            "grad_scaler": lambda: timing.compile_times(spec, "autocast-f16", scaler=True),
+        },
+        repeats=repeats,
+        warmup=False,
+    )
+    return {"family": family, **_ratios(med, "total", ("grad_scaler",))}
 
 
 def _check_only(adam):
@@ -252,6 +272,13 @@ def main(argv=None) -> None:
         choices=sorted(SIZES["full"]),
         help="compile on the full-size model's parameter tree",
     )
+    parser.add_argument(
+        "--compile-steps",
+        nargs="*",
+        default=[],
+        choices=sorted(SIZES["full"]),
+        help="compile the full-size model's whole training step, with and without",
+    )
     parser.add_argument("--check", type=float, nargs="*", default=[])
     parser.add_argument("--repeats", type=int, default=15, help="of each run-time measurement")
     parser.add_argument(
@@ -276,6 +303,12 @@ def main(argv=None) -> None:
     for family in args.compile_models:
         r = model_compile_ratio(family, repeats=args.compile_repeats or 3, names=args.scalers)
         print(f"| {family} ({r['leaves']}) | {_row(r, args.scalers, '.2f', 1)}", flush=True)
+    if args.compile_steps:
+        print()
+        print(_header("training step", "adamw compile (s)", ("grad_scaler",), "s"))
+    for family in args.compile_steps:
+        r = step_compile_ratio(family, repeats=args.compile_repeats or 3)
+        print(f"| {family} | {_row(r, ('grad_scaler',), '.2f', 1)}", flush=True)
     if args.params:
         print()
         state = "state donated" if args.donate else "state not donated"

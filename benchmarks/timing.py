@@ -45,9 +45,14 @@ def interleaved(
 # Trace, lower and compile
 
 
-def compile_times(spec: ModelSpec, variant_name: str) -> dict[str, float]:
-    """Seconds to trace, lower and compile one training step, from a fresh function."""
-    step, tx = train_step(spec, VARIANTS[variant_name])
+def compile_times(
+    spec: ModelSpec, variant_name: str, scaler: bool | None = None
+) -> dict[str, float]:
+    """Seconds to trace, lower and compile one training step, from a fresh function.
+
+    `scaler` overrides the variant's own choice of a grad scaler around its optimizer.
+    """
+    step, tx = train_step(spec, VARIANTS[variant_name], scaler=scaler)
     args = step_specs(spec, tx)
     t0 = time.perf_counter()
     traced = jax.jit(step).trace(*args)

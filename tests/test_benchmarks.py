@@ -263,6 +263,27 @@ def test_scaler_benchmark_measures_only_the_named_wrappers(capsys):
     assert [len(row) for row in rows] == [6, 6] and all(float(row[4]) > 0 for row in rows)
 
 
+def test_scaler_benchmark_compiles_whole_training_steps_with_and_without(capsys, monkeypatch):
+    from benchmarks import scaler
+
+    calls = []
+    real = scaler.timing.compile_times
+
+    def compile_times(spec, variant, scaler=None):
+        calls.append((spec, variant, scaler))
+        return real(spec, variant, scaler=scaler)
+
+    monkeypatch.setitem(SIZES["full"], "gpt", SIZES["smoke"]["gpt"])  # small, same code
+    monkeypatch.setattr(scaler.timing, "compile_times", compile_times)
+    scaler.main(["--leaves", "--params", "--compile-steps", "gpt", "--compile-repeats", "1"])
+    out = capsys.readouterr().out
+    assert "| training step | adamw compile (s) | grad_scaler (s) | ratio |" in out
+    (row,) = [line.split("|") for line in out.splitlines() if line.startswith("| gpt |")]
+    assert float(row[4]) > 0
+    smoke = SIZES["smoke"]["gpt"]
+    assert sorted(calls, key=str) == [(smoke, "autocast-f16", False), (smoke, "autocast-f16", True)]
+
+
 def test_scaler_benchmark_donates_the_state_and_feeds_it_forward(capsys):
     """``--donate`` times updates that write over their state, as a training step
     does: each call takes the state the last returned, and the old one is gone."""
