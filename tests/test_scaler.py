@@ -346,6 +346,58 @@ def test_skipped_step_leaves_params_and_inner_state_bit_identical(bad):
     chex.assert_trees_all_close(updates["h"], expected["h"], rtol=2**-7)  # bfloat16 moments
 
 
+@pytest.mark.parametrize(
+    "kwargs, skipped",
+    [
+        ({}, (2, 3)),
+        ({"check_updates": True}, (2, 3)),
+        # Steps 2 and 3 are one effective batch: the step at its last micro-batch is
+        # skipped.
+        ({"accumulation_steps": 2, "accumulation": "mean"}, (3,)),
+    ],
+    ids=["default", "check_updates", "accumulation"],
+)
+def test_a_donated_step_skips_and_steps_as_an_undonated_one(kwargs, skipped):
+    """A training step jitted with its parameters and state donated, as it should
+    be: XLA writes the new state over the old. A skipped step must still leave
+    every bit, and a kept one be the undonated step's, bit for bit."""
+    tx = grad_scaler(optax.adam(1e-2), init_scale=2.0**8, **kwargs)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    donated = jax.jit(step, donate_argnums=(0, 1))
+    plain = jax.jit(step)
+    params = {  # a leaf checked on its own (2**14 elements or more) and stacked ones
+        "big": jax.random.normal(jax.random.key(0), (128, 160)),
+        "w": jax.random.normal(jax.random.key(1), (4, 3)),
+        "b": jnp.zeros(3),
+    }
+    state = tx.init(params)
+    rng = np.random.default_rng(0)
+    for i in range(6):
+        grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
+        if i in (2, 3):  # an overflow, in the large leaf and then in a stacked one
+            leaf = "big" if i == 2 else "w"
+            grads[leaf] = grads[leaf].at[1, 2].set(np.inf if i == 2 else np.nan)
+        # Copies: a zero-copy view of a buffer (jax.device_get on a CPU) keeps
+        # jit from donating it.
+        before = jax.tree.map(lambda x: np.array(x, copy=True), (params, state))
+        expected = jax.device_get(plain(params, state, grads))
+        old = params
+        params, state = donated(params, state, grads)
+        assert old["big"].is_deleted()  # donated: written over, not copied
+        chex.assert_trees_all_equal(jax.device_get((params, state)), expected)
+        if i in skipped:
+            assert bool(state.last_step_skipped)
+            chex.assert_trees_all_equal(jax.device_get(params), before[0])
+            chex.assert_trees_all_equal(
+                jax.device_get(state.inner_state), before[1].inner_state
+            )
+    assert int(state.skipped_steps) == len(skipped)
+
+
 def test_a_skipped_step_keeps_every_bit_of_the_parameters_negative_zeros_included():
     tx = grad_scaler(optax.adam(1e-3))
     params = {"w": jnp.array([-0.0, 0.0, -1.5], jnp.float32), "h": jnp.array([-0.0], jnp.bfloat16)}
