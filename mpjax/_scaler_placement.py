@@ -7,6 +7,7 @@ its own, so the helpers (`get_scale`, `scaled_value_and_grad`...) refuse it.
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import jax
@@ -47,11 +48,13 @@ def check_placement(opt_state: Any, target: Any, caller: str) -> None:
         if type(node) in MISPLACED:
             raise ValueError(f"{caller}: {MISPLACED[type(node)]}")
     for node in ancestors:
-        if type(node) is tuple and len(node) > 1:
-            # optax.chain's state: a plain tuple of its transforms' states.
+        # optax.chain's state is a plain tuple of its transforms' states, and
+        # optax.named_chain's an OrderedDict of them.
+        chain = {tuple: "optax.chain", collections.OrderedDict: "optax.named_chain"}
+        if type(node) in chain and len(node) > 1:
             raise ValueError(
                 f"{caller}: the grad_scaler is one of {len(node)} transforms of an "
-                "optax.chain. The others do not take part in its skip: before it, they "
+                f"{chain[type(node)]}. The others do not take part in its skip: before it, they "
                 "run on every step (optax.clip hides an inf from it); after it, they run "
                 "on a skipped step's zero updates (momentum and weight decay still move "
                 f"the parameters). {_FIX}"

@@ -45,6 +45,7 @@ def _wrapped_optimizers():
     return {
         "bare": scaled,
         "chain_of_one": optax.chain(scaled),
+        "named_chain_of_one": optax.named_chain(("opt", scaled)),
         "inject_hyperparams": optax.inject_hyperparams(
             lambda learning_rate: grad_scaler(optax.sgd(learning_rate), init_scale=2.0**8)
         )(learning_rate=0.1),
@@ -91,6 +92,13 @@ def _misplaced_scalers():
         "before_trace_in_chain": (
             optax.chain(grad_scaler(optax.sgd(0.1)), optax.trace(0.9)),
             "optax.chain",
+        ),
+        # Weight decay still moves the parameters on a skipped step's zero updates.
+        "before_decay_in_named_chain": (
+            optax.named_chain(
+                ("opt", grad_scaler(optax.sgd(0.1))), ("decay", optax.add_decayed_weights(0.1))
+            ),
+            r"one of 2 transforms of an optax.named_chain",
         ),
         # Lookahead's slow weights still sync on a skipped step.
         "lookahead": (optax.lookahead(scaled, sync_period=2, slow_step_size=0.5), "LookaheadState"),
