@@ -116,9 +116,9 @@ def _no_gradient(run) -> list[str]:
         "zero, here and at the largest scale float32's gradients allow, so no loss "
         "scale brings the gradients back: they are lost before the backward pass, "
         "in the forward pass (a normalization over a constant batch, for one: zero "
-        "in 16 bits, rounding noise in float32). Compare each module's values in 16 bits with "
-        "float32's above, and keep the one that loses them in float32 with a "
-        "nested `mpjax.autocast(fn, enabled=False)`, or use bfloat16."
+        "in 16 bits, rounding noise in float32). Compare each module's values in 16 "
+        "bits with float32's above, and keep the one that loses them in float32 with "
+        "a nested `mpjax.autocast(fn, enabled=False)`, or use bfloat16."
     ]
 
 

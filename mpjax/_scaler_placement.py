@@ -37,6 +37,10 @@ MISPLACED = {
     ),
 }
 
+# The states of optax's chains: a plain tuple of the transforms' states, and (named)
+# an OrderedDict of them.
+_CHAINS = {tuple: "optax.chain", collections.OrderedDict: "optax.named_chain"}
+
 # optax states that may hold a scaler: inject_hyperparams only feeds it settings.
 _TRANSPARENT = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 
@@ -48,16 +52,13 @@ def check_placement(opt_state: Any, target: Any, caller: str) -> None:
         if type(node) in MISPLACED:
             raise ValueError(f"{caller}: {MISPLACED[type(node)]}")
     for node in ancestors:
-        # optax.chain's state is a plain tuple of its transforms' states, and
-        # optax.named_chain's an OrderedDict of them.
-        chain = {tuple: "optax.chain", collections.OrderedDict: "optax.named_chain"}
-        if type(node) in chain and len(node) > 1:
+        if type(node) in _CHAINS and len(node) > 1:
             raise ValueError(
                 f"{caller}: the grad_scaler is one of {len(node)} transforms of an "
-                f"{chain[type(node)]}. The others do not take part in its skip: before it, they "
-                "run on every step (optax.clip hides an inf from it); after it, they run "
-                "on a skipped step's zero updates (momentum and weight decay still move "
-                f"the parameters). {_FIX}"
+                f"{_CHAINS[type(node)]}. The others do not take part in its skip: before "
+                "it, they run on every step (optax.clip hides an inf from it); after it, "
+                "they run on a skipped step's zero updates (momentum and weight decay "
+                f"still move the parameters). {_FIX}"
             )
         if _is_optax_state(node) and not isinstance(node, _TRANSPARENT):
             raise ValueError(
