@@ -1,4 +1,5 @@
-"""Peak GPU memory of a training step, compiled for a GPU this machine does not have.
+"""Peak GPU memory and kernel traffic of a training step, compiled for a GPU this
+machine does not have.
 
     pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"
     PYTHONPATH=. python -m benchmarks.gpu_memory [--families gpt resnet] [--variants ...]
@@ -18,7 +19,9 @@ it for the ninth (docs/benchmarks.md).
 What this cannot show is time: without the device, XLA does not autotune its
 kernels, so it may choose Triton where it would choose cuBLAS (and the converts
 around it). Memory is set by the buffers the program keeps, which do not depend on
-that choice. To see what is alive at the peak, add
+that choice. The bytes the step's kernels read and write (`benchmarks.kernel_traffic`)
+are an estimate of its memory traffic: on a transformer they track the step time,
+on a convolutional network they do not (docs/benchmarks.md). To see what is alive at the peak, add
 ``XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text"`` and read the
 ``...-live-range.txt`` file ("Stack trace breakdown for peak usage"). With
 ``--no-scaler`` every step is compiled without the loss scaler, float16 ones too:
@@ -30,12 +33,17 @@ Needs the CUDA plugin of the installed jax (``jax[cuda12]``); runs on a CPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import pathlib
+import re
+import tempfile
 import time
 
 import jax
 
+from benchmarks import kernel_traffic
 from benchmarks.cli import FAMILIES
 from benchmarks.models import SIZES
 from benchmarks.report import _table
@@ -54,20 +62,49 @@ DEFAULT_VARIANTS = (
 
 
 def device(target_config: str):
-    """The one device of a deviceless CUDA topology described by `target_config`."""
+    """The one device of a deviceless CUDA topology described by `target_config`.
+
+    Fields that the installed XLA does not know (a target written by a newer one)
+    are dropped, with a note: they describe the device in more detail than this XLA
+    reads.
+    """
     from jax.experimental import topologies
 
-    try:
-        topology = topologies.get_topology_desc(
-            platform="cuda", target_config=target_config, topology="1x1x1"
-        )
-    except Exception as e:  # the plugin is missing, or is another jax's
-        raise SystemExit(
-            f"cannot compile for a GPU without one here ({type(e).__name__}: {e}).\n"
-            "Install the CUDA plugin of the installed jax: pip install "
-            f'"jax[cuda12]=={jax.__version__}"'
-        ) from e
+    dropped = []
+    while True:
+        with tempfile.TemporaryFile("w+") as log:
+            try:
+                with _stderr_to(log):  # XLA names a field it does not know there
+                    topology = topologies.get_topology_desc(
+                        platform="cuda", target_config=target_config, topology="1x1x1"
+                    )
+                break
+            except Exception as e:  # the plugin is missing, or is another jax's
+                log.seek(0)
+                unknown = re.search(r'has no field named "(\w+)"', log.read())
+                if unknown is None:
+                    raise SystemExit(
+                        f"cannot compile for a GPU without one here ({type(e).__name__}: "
+                        f"{e}).\nInstall the CUDA plugin of the installed jax: pip install "
+                        f'"jax[cuda12]=={jax.__version__}"'
+                    ) from e
+        dropped.append(unknown.group(1))
+        target_config = re.sub(rf"\b{unknown.group(1)}: *\S+", "", target_config)
+    if dropped:
+        print(f"(target fields this jax's XLA does not read, dropped: {', '.join(dropped)})")
     return topology.devices[0]
+
+
+@contextlib.contextmanager
+def _stderr_to(file):
+    """The process's standard error (file descriptor 2, where XLA logs) into `file`."""
+    saved = os.dup(2)
+    os.dup2(file.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def peak_bytes(analysis) -> int:
@@ -94,10 +131,13 @@ def step_memory(spec, variant_name: str, dev, scaler: bool | None = None) -> dic
     t0 = time.perf_counter()
     compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(*args).compile()
     analysis = compiled.memory_analysis()
+    traffic = kernel_traffic.kernel_bytes(compiled.as_text())
     return {
         "peak_bytes": peak_bytes(analysis),
         "temp_bytes": analysis.temp_size_in_bytes,
         "argument_bytes": analysis.argument_size_in_bytes,
+        "kernel_bytes": traffic["bytes"],
+        "kernels": traffic["kernels"],
         "compile_s": time.perf_counter() - t0,
     }
 
@@ -108,7 +148,8 @@ def table(results: dict) -> str:
         for name, r in by_variant.items():
             f32 = by_variant.get("float32", {}).get("peak_bytes")
             hand = by_variant.get(VARIANTS[name].baseline or "", {}).get("peak_bytes")
-            peak = r["peak_bytes"]
+            hand_traffic = by_variant.get(VARIANTS[name].baseline or "", {}).get("kernel_bytes")
+            peak, traffic = r["peak_bytes"], r["kernel_bytes"]
             rows.append(
                 [
                     family,
@@ -116,9 +157,13 @@ def table(results: dict) -> str:
                     f"{peak / GiB:.2f}",
                     f"{peak / f32:.3f}" if f32 else "",
                     f"{peak / hand:.3f}" if hand else "",
+                    f"{traffic / 1e9:.2f}",
+                    f"{traffic / hand_traffic:.3f}" if hand_traffic else "",
+                    str(r["kernels"]),
                 ]
             )
-    return _table(["model", "variant", "peak GiB", "x float32", "x hand-cast"], rows)
+    header = ["model", "variant", "peak GiB", "x float32", "x hand-cast"]
+    return _table(header + ["kernel GB", "x hand-cast", "kernels"], rows)
 
 
 def main(argv=None) -> None:

@@ -5,9 +5,11 @@ shared and noisy."""
 import importlib
 import json
 import math
+import os
 import pathlib
 import re
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -424,6 +426,8 @@ def test_gpu_memory_compiles_the_timed_step_with_its_state_updated_in_place():
     gpu_memory = importlib.import_module("benchmarks.gpu_memory")
     r = gpu_memory.step_memory(SIZES["smoke"]["gpt"], "autocast-bf16", jax.devices()[0])
     assert r["temp_bytes"] > 0
+    # Every kernel reads or writes something; together at least the step's arguments.
+    assert r["kernels"] > 0 and r["kernel_bytes"] >= r["argument_bytes"], r
     # Parameters and optimizer state are donated: the new ones take their place,
     # so the peak holds one copy of them (and the loss), not two.
     outputs_apart = r["peak_bytes"] - r["argument_bytes"] - r["temp_bytes"]
@@ -453,16 +457,54 @@ def test_gpu_memory_says_how_to_get_the_cuda_plugin(monkeypatch):
         gpu_memory.device(target)
 
 
+def test_gpu_memory_drops_target_fields_an_older_xla_does_not_read(monkeypatch, capsys):
+    gpu_memory = importlib.import_module("benchmarks.gpu_memory")
+    topologies = importlib.import_module("jax.experimental.topologies")
+    seen = []
+
+    def older_xla(platform, target_config, topology):
+        seen.append(target_config)
+        if "mem_clock_ghz" in target_config:  # as XLA reports it: on its own stderr
+            os.write(2, b'Message type "GpuDeviceInfoProto" has no field named "mem_clock_ghz".')
+            raise RuntimeError("Failed to parse GpuTargetConfigProto")
+        return types.SimpleNamespace(devices=["the device"])
+
+    monkeypatch.setattr(topologies, "get_topology_desc", older_xla)
+    target = "gpu_device_info {\n  threads_per_warp: 32\n  mem_clock_ghz: 2.619\n}\n"
+    assert gpu_memory.device(target) == "the device"
+    assert seen[-1] == "gpu_device_info {\n  threads_per_warp: 32\n  \n}\n"
+    assert "dropped: mem_clock_ghz" in capsys.readouterr().out
+
+
+def _compiled_text(fn, *args) -> str:
+    return jax.jit(fn).lower(*args).compile().as_text()
+
+
+def test_kernel_traffic_counts_each_kernels_operands_and_result():
+    kernel_traffic = importlib.import_module("benchmarks.kernel_traffic")
+    assert kernel_traffic.nbytes("f32[2,3]{1,0}") == 24
+    assert kernel_traffic.nbytes("(f32[2]{0}, bf16[4]{0}, s32[])") == 20
+    x = jnp.ones(4096, jnp.float32)
+    one = kernel_traffic.kernel_bytes(_compiled_text(lambda a: a * 2 + 1, x))
+    assert one == {"bytes": 2 * 4 * 4096, "kernels": 1}  # read x, write the result
+    # A fusion that reads a quarter of its operand counts that quarter.
+    part = kernel_traffic.kernel_bytes(_compiled_text(lambda a: a[1024:2048] * 2, x))
+    assert part["bytes"] == 2 * 4 * 1024, part
+    # A result that two kernels read is written once and read twice.
+    two = kernel_traffic.kernel_bytes(_compiled_text(lambda a: jnp.sort(a * 2) + 1, x))
+    assert two["kernels"] >= 2 and two["bytes"] >= 4 * 4 * 4096, two
+
+
 def test_gpu_memory_table_compares_with_float32_and_the_hand_cast_model():
     gpu_memory = importlib.import_module("benchmarks.gpu_memory")
     gib = gpu_memory.GiB
     results = {
         "gpt": {
-            "float32": {"peak_bytes": 20 * gib},
-            "handcast-bf16": {"peak_bytes": 12 * gib},
-            "autocast-bf16": {"peak_bytes": 9 * gib},
+            "float32": {"peak_bytes": 20 * gib, "kernel_bytes": 90e9, "kernels": 700},
+            "handcast-bf16": {"peak_bytes": 12 * gib, "kernel_bytes": 60e9, "kernels": 800},
+            "autocast-bf16": {"peak_bytes": 9 * gib, "kernel_bytes": 66e9, "kernels": 850},
         }
     }
     rows = gpu_memory.table(results).splitlines()[2:]
-    assert rows[2] == "| gpt | autocast-bf16 | 9.00 | 0.450 | 0.750 |"
-    assert rows[0] == "| gpt | float32 | 20.00 | 1.000 |  |"
+    assert rows[2] == "| gpt | autocast-bf16 | 9.00 | 0.450 | 0.750 | 66.00 | 1.100 | 850 |"
+    assert rows[0] == "| gpt | float32 | 20.00 | 1.000 |  | 90.00 |  | 700 |"

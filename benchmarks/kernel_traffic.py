@@ -1,0 +1,146 @@
+"""The bytes a compiled program's kernels read and write, from XLA's optimized HLO.
+
+A training step of a 16-bit model is mostly memory-bound outside its matrix
+products, so the bytes its kernels move through device memory say much of what its
+elementwise work costs. Each kernel of the entry computation (a fusion, a library
+call, a copy) reads its operands and writes its result; this sums their sizes over
+the kernels, from ``compiled.as_text()``. It needs no device: `benchmarks.gpu_memory`
+applies it to a step compiled for a GPU on a CPU.
+
+It is an estimate, not a measurement. An operand that a fusion only slices counts as
+the slices; every other operand counts whole, once per kernel that reads it, as if
+no cache held it between kernels; the bodies of loops and conditionals count once.
+What it cannot see is how fast each kernel runs: compare variants of one model with
+it, never absolute times.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) ")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][\w-]*)\((.*)$")
+_NOT_KERNELS = frozenset(
+    {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all"}
+)
+_SLICES = frozenset({"slice", "dynamic-slice"})
+
+
+def nbytes(shape: str) -> int:
+    """Bytes of an HLO shape, a tuple's elements summed (``(f32[2,3]{1,0}, s32[])``)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        size = _BYTES.get(dtype, 1 if dtype.startswith("f8") else 0)
+        total += size * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+class _Instruction:
+    def __init__(self, name: str, shape: str, opcode: str, rest: str):
+        self.name, self.shape, self.opcode = name, shape, opcode
+        depth, end = 1, len(rest)
+        for i, ch in enumerate(rest):  # the operand list ends at its closing parenthesis
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                end = i
+                break
+        self.args = rest[:end]  # a parameter's is its index
+        self.operands = re.findall(r"%([\w.\-]+)", self.args)
+        attrs = rest[end:]
+        called = re.search(r"\bcalls=%([\w.\-]+)", attrs)
+        self.calls = called.group(1) if called else None
+        self.bodies = re.findall(
+            r"\b(?:body|true_computation|false_computation)=%([\w.\-]+)", attrs
+        )
+        branches = re.search(r"branch_computations=\{([^}]*)\}", attrs)
+        if branches:
+            self.bodies += re.findall(r"%([\w.\-]+)", branches.group(1))
+        if opcode == "call":  # a command buffer, or a call XLA kept: its kernels
+            self.bodies += re.findall(r"\bto_apply=%([\w.\-]+)", attrs)
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[_Instruction]], str]:
+    comps: dict[str, list[_Instruction]] = {}
+    entry, current = "", None
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            m = _COMPUTATION.match(line)
+            current = m.group(1) if m else None
+            if current is not None:
+                comps[current] = []
+                if line.startswith("ENTRY"):
+                    entry = current
+            continue
+        m = _INSTRUCTION.match(line) if current is not None else None
+        if m:
+            comps[current].append(_Instruction(*m.groups()))
+    return comps, entry
+
+
+def _sliced_reads(fused: list[_Instruction]) -> dict[int, int]:
+    """Parameter index -> bytes read, for the parameters of a fused computation that
+    it only slices (through bitcasts); the others are read whole."""
+    users: dict[str, list[_Instruction]] = {}
+    for ins in fused:
+        for op in ins.operands:
+            users.setdefault(op, []).append(ins)
+
+    def sliced(name: str) -> int | None:
+        if not users.get(name):
+            return None
+        total = 0
+        for user in users[name]:
+            if user.opcode in _SLICES and user.operands[0] == name:
+                total += nbytes(user.shape)
+            elif user.opcode == "bitcast" and (part := sliced(user.name)) is not None:
+                total += part
+            else:
+                return None
+        return total
+
+    out = {}
+    for ins in fused:
+        if ins.opcode == "parameter" and (read := sliced(ins.name)) is not None:
+            out[int(ins.args)] = read
+    return out
+
+
+def kernel_bytes(hlo: str) -> dict:
+    """``{"bytes": ..., "kernels": ...}`` of an optimized HLO module's text: the bytes
+    its kernels read and write, and how many kernels run (loop bodies once).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> x = jnp.ones(1024, jnp.float32)
+      >>> kernel_bytes(jax.jit(lambda a: a * 2 + 1).lower(x).compile().as_text())
+      {'bytes': 8192, 'kernels': 1}
+    """
+    comps, entry = _computations(hlo)
+    shapes = {ins.name: ins.shape for body in comps.values() for ins in body}
+    total = kernels = 0
+
+    def visit(name: str, seen: frozenset) -> None:
+        nonlocal total, kernels
+        for ins in comps.get(name, ()):
+            if ins.bodies:  # a loop or conditional: its bodies' kernels
+                for body in ins.bodies:
+                    if body not in seen:
+                        visit(body, seen | {body})
+                continue
+            if ins.opcode in _NOT_KERNELS:
+                continue
+            sliced = _sliced_reads(comps.get(ins.calls, [])) if ins.calls else {}
+            reads = sum(
+                sliced.get(i, nbytes(shapes.get(op, ""))) for i, op in enumerate(ins.operands)
+            )
+            total += reads + nbytes(ins.shape)
+            kernels += 1
+
+    visit(entry, frozenset({entry}))
+    return {"bytes": total, "kernels": kernels}
