@@ -19,9 +19,10 @@ it for the ninth (docs/benchmarks.md).
 What this cannot show is time: without the device, XLA does not autotune its
 kernels, so it may choose Triton where it would choose cuBLAS (and the converts
 around it). Memory is set by the buffers the program keeps, which do not depend on
-that choice. The bytes the step's kernels read and write (`benchmarks.kernel_traffic`)
-are an estimate of its memory traffic: on a transformer they track the step time,
-on a convolutional network they do not (docs/benchmarks.md). To see what is alive at the peak, add
+that choice. The bytes the step's kernels read and write
+(`benchmarks.kernel_traffic`) are an estimate of its memory traffic: on a
+transformer they track the step time, on a convolutional network they do not
+(docs/benchmarks.md). To see what is alive at the peak, add
 ``XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text"`` and read the
 ``...-live-range.txt`` file ("Stack trace breakdown for peak usage"). With
 ``--no-scaler`` every step is compiled without the loss scaler, float16 ones too:
@@ -82,7 +83,7 @@ def device(target_config: str):
             except Exception as e:  # the plugin is missing, or is another jax's
                 log.seek(0)
                 unknown = re.search(r'has no field named "(\w+)"', log.read())
-                if unknown is None:
+                if unknown is None or unknown.group(1) in dropped:
                     raise SystemExit(
                         f"cannot compile for a GPU without one here ({type(e).__name__}: "
                         f"{e}).\nInstall the CUDA plugin of the installed jax: pip install "
