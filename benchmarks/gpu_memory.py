@@ -3,7 +3,7 @@ machine does not have.
 
     pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"
     PYTHONPATH=. python -m benchmarks.gpu_memory [--families gpt resnet] [--variants ...]
-        [--no-scaler] [--target benchmarks/targets/h100.pbtxt] [--json F]
+        [--no-scaler] [--target benchmarks/targets/h100.pbtxt] [--json F] [--hlo-dir D]
 
 XLA's GPU compiler needs a description of the device, not the device itself: JAX's
 deviceless ahead-of-time compilation (`jax.experimental.topologies`) compiles a
@@ -118,10 +118,13 @@ def peak_bytes(analysis) -> int:
     )
 
 
-def step_memory(spec, variant_name: str, dev, scaler: bool | None = None) -> dict:
+def step_memory(
+    spec, variant_name: str, dev, scaler: bool | None = None, hlo_dir: str | None = None
+) -> dict:
     """Compiles `benchmarks.gpu`'s training step for `dev`; its memory in bytes.
 
-    `scaler` overrides the variant's own choice of the loss scaler.
+    `scaler` overrides the variant's own choice of the loss scaler. With `hlo_dir`,
+    the compiled program's text is written there as ``<model>-<variant>.hlo``.
     """
     step, tx = train_step(spec, VARIANTS[variant_name], scaler)
     sharding = jax.sharding.SingleDeviceSharding(dev)
@@ -132,7 +135,12 @@ def step_memory(spec, variant_name: str, dev, scaler: bool | None = None) -> dic
     t0 = time.perf_counter()
     compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(*args).compile()
     analysis = compiled.memory_analysis()
-    traffic = kernel_traffic.kernel_bytes(compiled.as_text())
+    text = compiled.as_text()
+    if hlo_dir is not None:
+        path = pathlib.Path(hlo_dir) / f"{spec.family}-{variant_name}.hlo"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    traffic = kernel_traffic.kernel_bytes(text)
     return {
         "peak_bytes": peak_bytes(analysis),
         "temp_bytes": analysis.temp_size_in_bytes,
@@ -176,6 +184,10 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--target", default=str(TARGETS / "h100.pbtxt"))
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--hlo-dir",
+        help="write each compiled step here, for `python -m benchmarks.kernel_traffic A B`",
+    )
     args = parser.parse_args(argv)
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown:
@@ -190,7 +202,8 @@ def main(argv=None) -> None:
     results = {}
     for family in args.families:
         results[family] = {
-            name: step_memory(SIZES["gpu"][family], name, dev, scaler) for name in args.variants
+            name: step_memory(SIZES["gpu"][family], name, dev, scaler, args.hlo_dir)
+            for name in args.variants
         }
         print(f"{family} done", flush=True)
     print(table(results))

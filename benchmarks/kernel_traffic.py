@@ -11,11 +11,18 @@ It is an estimate, not a measurement. An operand that a fusion only slices count
 the slices; every other operand counts whole, once per kernel that reads it, as if
 no cache held it between kernels; the bodies of loops and conditionals count once.
 What it cannot see is how fast each kernel runs: compare variants of one model with
-it, never absolute times.
+it, never absolute times. To see where two programs differ:
+
+    PYTHONPATH=. python -m benchmarks.kernel_traffic BASE.hlo OTHER.hlo [--top N]
+
+prints the bytes each reads and writes by array type (``write f32[8,1024,3072]``),
+largest differences first; `benchmarks.gpu_memory --hlo-dir D` writes the programs.
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
 import math
 import re
 
@@ -144,3 +151,59 @@ def kernel_bytes(hlo: str) -> dict:
 
     visit(entry, frozenset({entry}))
     return {"bytes": total, "kernels": kernels}
+
+
+def by_array(hlo: str) -> collections.Counter:
+    """The bytes of `kernel_bytes`, by what moves them: ``"read bf16[8,1024,768]"``,
+    ``"write (f32[64,768], bf16[8,1024,768])"`` (layouts left out)."""
+    comps, entry = _computations(hlo)
+    shapes = {ins.name: ins.shape for body in comps.values() for ins in body}
+    out: collections.Counter = collections.Counter()
+
+    def visit(name: str, seen: frozenset) -> None:
+        for ins in comps.get(name, ()):
+            for body in ins.bodies:
+                if body not in seen:
+                    visit(body, seen | {body})
+            if ins.bodies or ins.opcode in _NOT_KERNELS:
+                continue
+            sliced = _sliced_reads(comps.get(ins.calls, [])) if ins.calls else {}
+            for i, op in enumerate(ins.operands):
+                shape = shapes.get(op, "")
+                out[f"read {_LAYOUT.sub('', shape)}"] += sliced.get(i, nbytes(shape))
+            out[f"write {_LAYOUT.sub('', ins.shape)}"] += nbytes(ins.shape)
+
+    visit(entry, frozenset({entry}))
+    return out
+
+
+_LAYOUT = re.compile(r"\{[^}]*\}")
+
+
+def compare(base: str, other: str, top: int = 15) -> str:
+    """A table of where `other`'s kernels move more or fewer bytes than `base`'s."""
+    a, b = by_array(base), by_array(other)
+    lines = [
+        f"total GB: {sum(a.values()) / 1e9:.2f} -> {sum(b.values()) / 1e9:.2f}",
+        "| difference GB | base GB | other GB | what |",
+        "|---:|---:|---:|---|",
+    ]
+    for key in sorted(set(a) | set(b), key=lambda k: (-abs(b[k] - a[k]), k))[:top]:
+        lines.append(
+            f"| {(b[key] - a[key]) / 1e9:+.2f} | {a[key] / 1e9:.2f} | {b[key] / 1e9:.2f} | {key} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("base", help="an optimized HLO module's text (compiled.as_text())")
+    parser.add_argument("other")
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args(argv)
+    with open(args.base) as f, open(args.other) as g:
+        print(compare(f.read(), g.read(), args.top))
+
+
+if __name__ == "__main__":
+    main()

@@ -422,12 +422,16 @@ def test_fidelity_over_batches(capsys):
     assert row.endswith("| 1/2 |")  # equal on the first batch, above 0 on the second
 
 
-def test_gpu_memory_compiles_the_timed_step_with_its_state_updated_in_place():
+def test_gpu_memory_compiles_the_timed_step_with_its_state_updated_in_place(tmp_path):
     gpu_memory = importlib.import_module("benchmarks.gpu_memory")
-    r = gpu_memory.step_memory(SIZES["smoke"]["gpt"], "autocast-bf16", jax.devices()[0])
+    kernel_traffic = importlib.import_module("benchmarks.kernel_traffic")
+    spec = SIZES["smoke"]["gpt"]
+    r = gpu_memory.step_memory(spec, "autocast-bf16", jax.devices()[0], hlo_dir=tmp_path)
     assert r["temp_bytes"] > 0
     # Every kernel reads or writes something; together at least the step's arguments.
     assert r["kernels"] > 0 and r["kernel_bytes"] >= r["argument_bytes"], r
+    written = (tmp_path / "gpt-autocast-bf16.hlo").read_text()  # for kernel_traffic's diff
+    assert kernel_traffic.kernel_bytes(written)["bytes"] == r["kernel_bytes"]
     # Parameters and optimizer state are donated: the new ones take their place,
     # so the peak holds one copy of them (and the loss), not two.
     outputs_apart = r["peak_bytes"] - r["argument_bytes"] - r["temp_bytes"]
@@ -493,6 +497,24 @@ def test_kernel_traffic_counts_each_kernels_operands_and_result():
     # A result that two kernels read is written once and read twice.
     two = kernel_traffic.kernel_bytes(_compiled_text(lambda a: jnp.sort(a * 2) + 1, x))
     assert two["kernels"] >= 2 and two["bytes"] >= 4 * 4 * 4096, two
+
+
+def test_kernel_traffic_compares_two_programs_by_the_arrays_they_move(tmp_path, capsys):
+    kernel_traffic = importlib.import_module("benchmarks.kernel_traffic")
+    n = 2**28  # 1 GiB of float32, compiled but never allocated
+    x = jax.ShapeDtypeStruct((n,), jnp.float32)
+    wide = _compiled_text(lambda a: a * 2 + 1, x)
+    narrow = _compiled_text(lambda a: (a * 2 + 1).astype(jnp.float16), x)
+    assert kernel_traffic.by_array(narrow) == {f"read f32[{n}]": 4 * n, f"write f16[{n}]": 2 * n}
+    (tmp_path / "a.hlo").write_text(wide)
+    (tmp_path / "b.hlo").write_text(narrow)
+    kernel_traffic.main([str(tmp_path / "a.hlo"), str(tmp_path / "b.hlo"), "--top", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "total GB: 2.15 -> 1.61"
+    assert lines[3:] == [
+        f"| -1.07 | 1.07 | 0.00 | write f32[{n}] |",
+        f"| +0.54 | 0.00 | 0.54 | write f16[{n}] |",
+    ]
 
 
 def test_gpu_memory_table_compares_with_float32_and_the_hand_cast_model():
