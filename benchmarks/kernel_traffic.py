@@ -118,6 +118,29 @@ def _sliced_reads(fused: list[_Instruction]) -> dict[int, int]:
     return out
 
 
+def _kernels(hlo: str):
+    """Each kernel of an optimized HLO module's text, loop bodies once: its result's
+    shape, and the shape and bytes read of each operand."""
+    comps, entry = _computations(hlo)
+    shapes = {ins.name: ins.shape for body in comps.values() for ins in body}
+
+    def visit(name: str, seen: frozenset):
+        for ins in comps.get(name, ()):
+            for body in ins.bodies:  # a loop, conditional or call: its bodies' kernels
+                if body not in seen:
+                    yield from visit(body, seen | {body})
+            if ins.bodies or ins.opcode in _NOT_KERNELS:
+                continue
+            sliced = _sliced_reads(comps.get(ins.calls, [])) if ins.calls else {}
+            reads = [
+                (shapes.get(op, ""), sliced.get(i, nbytes(shapes.get(op, ""))))
+                for i, op in enumerate(ins.operands)
+            ]
+            yield ins.shape, reads
+
+    yield from visit(entry, frozenset({entry}))
+
+
 def kernel_bytes(hlo: str) -> dict:
     """``{"bytes": ..., "kernels": ...}`` of an optimized HLO module's text: the bytes
     its kernels read and write, and how many kernels run (loop bodies once).
@@ -128,56 +151,25 @@ def kernel_bytes(hlo: str) -> dict:
       >>> kernel_bytes(jax.jit(lambda a: a * 2 + 1).lower(x).compile().as_text())
       {'bytes': 8192, 'kernels': 1}
     """
-    comps, entry = _computations(hlo)
-    shapes = {ins.name: ins.shape for body in comps.values() for ins in body}
     total = kernels = 0
-
-    def visit(name: str, seen: frozenset) -> None:
-        nonlocal total, kernels
-        for ins in comps.get(name, ()):
-            if ins.bodies:  # a loop or conditional: its bodies' kernels
-                for body in ins.bodies:
-                    if body not in seen:
-                        visit(body, seen | {body})
-                continue
-            if ins.opcode in _NOT_KERNELS:
-                continue
-            sliced = _sliced_reads(comps.get(ins.calls, [])) if ins.calls else {}
-            reads = sum(
-                sliced.get(i, nbytes(shapes.get(op, ""))) for i, op in enumerate(ins.operands)
-            )
-            total += reads + nbytes(ins.shape)
-            kernels += 1
-
-    visit(entry, frozenset({entry}))
+    for shape, reads in _kernels(hlo):
+        total += nbytes(shape) + sum(read for _, read in reads)
+        kernels += 1
     return {"bytes": total, "kernels": kernels}
+
+
+_LAYOUT = re.compile(r"\{[^}]*\}")
 
 
 def by_array(hlo: str) -> collections.Counter:
     """The bytes of `kernel_bytes`, by what moves them: ``"read bf16[8,1024,768]"``,
     ``"write (f32[64,768], bf16[8,1024,768])"`` (layouts left out)."""
-    comps, entry = _computations(hlo)
-    shapes = {ins.name: ins.shape for body in comps.values() for ins in body}
     out: collections.Counter = collections.Counter()
-
-    def visit(name: str, seen: frozenset) -> None:
-        for ins in comps.get(name, ()):
-            for body in ins.bodies:
-                if body not in seen:
-                    visit(body, seen | {body})
-            if ins.bodies or ins.opcode in _NOT_KERNELS:
-                continue
-            sliced = _sliced_reads(comps.get(ins.calls, [])) if ins.calls else {}
-            for i, op in enumerate(ins.operands):
-                shape = shapes.get(op, "")
-                out[f"read {_LAYOUT.sub('', shape)}"] += sliced.get(i, nbytes(shape))
-            out[f"write {_LAYOUT.sub('', ins.shape)}"] += nbytes(ins.shape)
-
-    visit(entry, frozenset({entry}))
+    for shape, reads in _kernels(hlo):
+        for operand, read in reads:
+            out[f"read {_LAYOUT.sub('', operand)}"] += read
+        out[f"write {_LAYOUT.sub('', shape)}"] += nbytes(shape)
     return out
-
-
-_LAYOUT = re.compile(r"\{[^}]*\}")
 
 
 def compare(base: str, other: str, top: int = 15) -> str:
