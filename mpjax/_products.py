@@ -11,7 +11,9 @@ transpose of its own (`jax.custom_derivatives.linear_call`): the cotangent,
 product's result), is cast to 16 bits once for both backward products,
 multiplied as 16 bits with each one's other 16-bit operand and
 accumulated in float32, and a float32 parameter's gradient is returned in
-float32, never rounded (jax#34330's ``bf16 @ bf16 -> f32``).
+float32, never rounded (jax#34330's ``bf16 @ bf16 -> f32``). Grouped products
+(``ragged_dot_general``, a mixture of experts' layers) are handled alike: a
+`Product` holds each primitive's arithmetic and transposes.
 
 The product takes its operands already cast (a cast made once per value and
 hoisted out of loops by the interpreter) and, beside them, the float32 parameters
@@ -23,6 +25,9 @@ then keeps (`runs_as_written`, `explicit_result_type`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -44,73 +49,133 @@ LOW_PRODUCT = "mpjax_low_product"
 """The name `low_product`'s custom_jvp carries in jaxprs."""
 
 
-def low_product(
-    operands, parameters, dimension_numbers, precision, low, recast=True, out_sharding=None
-):
-    """``dot_general`` of the 16-bit `operands`, returning its float32 accumulator.
+class Product(NamedTuple):
+    """A product primitive's arithmetic with a result dtype of our choosing.
 
-    `parameters` holds, per operand, the float32 parameter it was cast from, or
-    None for an activation. With `recast`, the backward pass keeps the float32
-    parameter (alive anyway) and casts it again, rather than keeping its 16-bit
-    copy; inside a loop body, where the cast is made once outside the loop and
-    kept once, pass False. `out_sharding` is the product's own (explicit sharding).
+    ``apply(a, b, result, *extra)`` is the product; ``grad_lhs(ct, b, a, result,
+    *extra)`` and ``grad_rhs(ct, a, b, result, *extra)`` are the cotangents of its
+    left and right operands, as JAX's transpose rules make them: each a product
+    of the cotangent `ct` and the other operand, returning `result`. `extra` are
+    the primitive's operands after the two multiplied (a ragged product's group
+    sizes).
     """
-    dn = dimension_numbers
-    is_param = [p is not None for p in parameters]
-    sharded = {} if out_sharding is None else {"out_sharding": out_sharding}
 
-    def dot(a, b):
-        return lax.dot_general(
-            a, b, dn, precision=precision, preferred_element_type=F32, **sharded
+    apply: Callable
+    grad_lhs: Callable
+    grad_rhs: Callable
+
+
+def product_of(eqn) -> Product | None:
+    """The `Product` of a ``dot_general`` or ``ragged_dot_general`` equation, or None
+    for a ragged product whose derivative JAX does not define."""
+    return _PRODUCTS[eqn.primitive.name](eqn.params)
+
+
+def _dot_general(params) -> Product:
+    dn, precision = params["dimension_numbers"], params.get("precision")
+    sharded = {} if params.get("out_sharding") is None else {"out_sharding": params["out_sharding"]}
+    return Product(
+        lambda a, b, r: lax.dot_general(
+            a, b, dn, precision=precision, preferred_element_type=r, **sharded
+        ),
+        lambda ct, b, a, r: _transpose_lhs(ct, b, a, dn, precision, r),
+        lambda ct, a, b, r: _transpose_rhs(ct, a, b, dn, precision, r),
+    )
+
+
+def _ragged_dot_general(params) -> Product | None:
+    """A grouped product (mixture of experts): each row along the left operand's
+    ragged dimension meets the right operand's group that `group_sizes` assigns it.
+    JAX differentiates only the mode with the ragged dimension kept in the result."""
+    rdn, precision = params["ragged_dot_dimension_numbers"], params.get("precision")
+    (x_contract, _), (x_batch, _) = rdn.dot_dimension_numbers
+    if params.get("group_offset") is not None or any(
+        d in (*x_contract, *x_batch) for d in rdn.lhs_ragged_dimensions
+    ):
+        return None
+
+    def apply(a, b, r, group_sizes):
+        return lax.ragged_dot_general(
+            a, b, group_sizes, rdn, precision=precision, preferred_element_type=r
         )
 
-    def mpjax_low_product(a, b, *params):  # the name marks it in jaxprs (`mpjax.audit`)
-        return dot(a, b)
+    return Product(
+        apply,
+        lambda ct, b, a, r, gs: _ragged_transpose(ct, b, a, rdn, gs, precision, r, "lhs"),
+        lambda ct, a, b, r, gs: _ragged_transpose(ct, a, b, rdn, gs, precision, r, "rhs"),
+    )
 
-    product = jax.custom_jvp(mpjax_low_product)
+
+_PRODUCTS = {"dot_general": _dot_general, "ragged_dot_general": _ragged_dot_general}
+
+
+def low_product(operands, parameters, product, low, extra=(), recast=True):
+    """`product` of the 16-bit `operands`, returning its float32 accumulator.
+
+    `parameters` holds, per operand, the float32 parameter it was cast from, or
+    None for an activation. `extra` are the product's further operands (not
+    differentiated). With `recast`, the backward pass keeps the float32
+    parameter (alive anyway) and casts it again, rather than keeping its 16-bit
+    copy; inside a loop body, where the cast is made once outside the loop and
+    kept once, pass False.
+    """
+    is_param = [p is not None for p in parameters]
+    n_extra = len(extra)
+
+    def dot(a, b, extra):
+        return product.apply(a, b, F32, *extra)
+
+    def mpjax_low_product(a, b, *rest):  # the name marks it in jaxprs (`mpjax.audit`)
+        return dot(a, b, rest[:n_extra])
+
+    custom = jax.custom_jvp(mpjax_low_product)
 
     def jvp(primals, tangents):
-        a, b, *params = primals
-        tangent_of, param_of = iter(tangents[2:]), iter(params)
+        a, b, *rest = primals
+        extra, params = tuple(rest[:n_extra]), rest[n_extra:]
+        tangent_of, param_of = iter(tangents[2 + n_extra :]), iter(params)
         ta, tb = (next(tangent_of) if p else t for p, t in zip(is_param, tangents[:2]))
         # What the backward pass keeps of each operand: a parameter itself, alive
         # anyway (its 16-bit copy is cast again when needed), or the activation.
         a_kept, b_kept = (next(param_of) if p and recast else x for p, x in zip(is_param, (a, b)))
         sides = (  # (tangent, the other operand as kept, apply, transpose, operand)
-            (ta, b_kept, lambda t, o: dot(_cast(t, low), _cast(o, low)), _transpose_lhs, a),
-            (tb, a_kept, lambda t, o: dot(_cast(o, low), _cast(t, low)), _transpose_rhs, b),
+            (ta, b_kept, lambda t, o, e: dot(_cast(t, low), _cast(o, low), e), product.grad_lhs, a),
+            (tb, a_kept, lambda t, o, e: dot(_cast(o, low), _cast(t, low), e), product.grad_rhs, b),
         )
         live = [
             (*side, param)
             for side, param in zip(sides, is_param)
             if not isinstance(side[0], _compat.SymbolicZero)
         ]
-        out = product(a, b, *params)
+        out = custom(a, b, *rest)
         if not live:
             return out, jax.numpy.zeros(out.shape, F32)
-        return out, _linear(live, dn, precision, low)
+        return out, _linear(live, extra, low)
 
-    product.defjvp(jvp, symbolic_zeros=True)
-    return product(*operands, *[p for p in parameters if p is not None])
+    custom.defjvp(jvp, symbolic_zeros=True)
+    return custom(*operands, *extra, *[p for p in parameters if p is not None])
 
 
 def _cast(x, low):
     return convert(x, low, False)
 
 
-def _linear(sides, dn, precision, low):
+def _linear(sides, extra, low):
     """The product's tangent, the sum of ``apply(tangent, other)`` over the `sides`
     (operands) with a tangent, as one linear function. Its transpose rounds the
     cotangent to 16 bits once and multiplies it by each side's `other` into that
     operand's gradient: float32 for a parameter, `low` for an activation."""
     tangents = tuple(side[0] for side in sides)
-    others = tuple(side[1] for side in sides)
+    n_others = len(sides)
+    residuals = tuple(side[1] for side in sides) + extra
 
-    def forward(others, tangents):
-        terms = [side[2](t, o) for side, t, o in zip(sides, tangents, others)]
+    def forward(residuals, tangents):
+        others, extra = residuals[:n_others], residuals[n_others:]
+        terms = [side[2](t, o, extra) for side, t, o in zip(sides, tangents, others)]
         return terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
-    def transposed(others, ct):
+    def transposed(residuals, ct):
+        others, extra = residuals[:n_others], residuals[n_others:]
         ct = _cast(ct, low)
         cts = []
         for (tangent, _, _, transpose, operand, is_param), other in zip(sides, others):
@@ -119,13 +184,13 @@ def _linear(sides, dn, precision, low):
                 other = _cast(other, low)
 
             def product(carrier):  # called (and traced) within this iteration
-                return transpose(carrier, other, operand, dn, precision, result)
+                return transpose(carrier, other, operand, result, *extra)
 
             t = _compat.weight_gradient(product, ct, low) if is_param else product(ct)
             cts.append(t.astype(tangent.dtype))
         return tuple(cts)
 
-    return _compat.linear_call(forward, transposed, others, tangents)
+    return _compat.linear_call(forward, transposed, residuals, tangents)
 
 
 def _transpose_rhs(ct, x, y, dn, precision, result_type):
@@ -152,6 +217,38 @@ def _transpose_lhs(ct, y, x, dn, precision, result_type, swap_ans=False):
     out = lax.dot_general(
         ct, y, dims, precision=precision, preferred_element_type=result_type,
         **_sharded_as(x, unsorted_axes),
+    )
+    return lax.transpose(out, tuple(int(a) for a in np.argsort(unsorted_axes)))
+
+
+def _ragged_transpose(ct, other, operand, rdn, group_sizes, precision, result, side):
+    """The cotangent of a ragged product's left (`side` "lhs") or right operand, JAX's
+    own transpose rule, returning `result`: the left operand's is a ragged product
+    of the cotangent and the groups, the right operand's (each group's weight
+    gradient) a product contracting the ragged dimension, group by group."""
+    x, y = (operand, other) if side == "lhs" else (other, operand)
+    (x_contract, y_contract), (x_batch, y_batch) = rdn.dot_dimension_numbers
+    y_group = list(rdn.rhs_group_dimensions)
+    (x_ragged,) = rdn.lhs_ragged_dimensions
+    x_kept = _remaining(range(np.ndim(x)), x_contract, x_batch)
+    y_kept = _remaining(range(np.ndim(y)), y_contract, y_batch, y_group)
+    ans_batch, ans_x, ans_y = _ranges_like(x_batch, x_kept, y_kept)
+    if side == "lhs":
+        dims = ((ans_y, tuple(y_kept)), (ans_batch, tuple(y_batch)))
+        ragged, group = [len(x_batch) + x_kept.index(x_ragged)], y_group
+        lhs, rhs = ct, y
+        unsorted_axes = list(x_batch) + x_kept + list(np.take(x_contract, np.argsort(y_contract)))
+    else:
+        dims = ((tuple(x_kept), ans_x), (tuple(x_batch), ans_batch))
+        ragged, group = [x_ragged], []  # the ragged dimension is contracted
+        lhs, rhs = x, ct
+        unsorted_axes = (
+            y_group + list(y_batch) + list(np.take(y_contract, np.argsort(x_contract))) + y_kept
+        )
+    out = lax.ragged_dot_general(
+        lhs, rhs, group_sizes,
+        lax.RaggedDotDimensionNumbers(dims, ragged, group),
+        precision=precision, preferred_element_type=result,
     )
     return lax.transpose(out, tuple(int(a) for a in np.argsort(unsorted_axes)))
 

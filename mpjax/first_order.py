@@ -113,6 +113,7 @@ def _float32_accumulator(ctx, eqn, vals) -> bool:
         not ctx.region.reduce_low
         and eqn.primitive.name in policy.FLOAT32_ACCUMULATOR
         and any(p is not None for p in fusions.parameters(ctx, eqn, vals))
+        and _products.product_of(eqn) is not None
     )
 
 
@@ -127,13 +128,12 @@ def _low_product_float32_accumulator(ctx, eqn, vals, args, low):
     (`mpjax._products`).
     """
     accumulator = _products.low_product(
-        args,
-        fusions.parameters(ctx, eqn, vals),
-        eqn.params["dimension_numbers"],
-        eqn.params.get("precision"),
+        args[:2],
+        fusions.parameters(ctx, eqn, vals)[:2],
+        _products.product_of(eqn),
         low,
+        extra=tuple(args[2:]),  # a ragged product's group sizes
         recast=ctx.scope.parent is None,  # in a loop body the cast is hoisted: keep it
-        out_sharding=eqn.params.get("out_sharding"),
     )
     rounded = convert(accumulator, low, False)
     ctx.scope.keep_accumulator(rounded, accumulator)  # for a bias added next

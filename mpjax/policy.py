@@ -125,7 +125,7 @@ POLICY: dict[str, Rule] = {**LOW_PRECISION, **FLOAT32, **WIDEST, **AS_RECEIVED}
 # torch DDP reduces float32 `.grad`s. ``autocast(..., reduce_dtype=dtype)`` turns it
 # off for the bandwidth. Convolutions are left out: GPUs have no convolution from
 # 16-bit operands to a float32 result, so its transpose would run in float32.
-FLOAT32_ACCUMULATOR = frozenset({"dot_general"})
+FLOAT32_ACCUMULATOR = frozenset({"dot_general", "ragged_dot_general"})
 
 # Sums are float32, forward and backward. The FLOAT32 table covers the reductions
 # a program writes; these are the 16-bit sums it does not write. JAX builds sums
