@@ -156,8 +156,8 @@ def table(results: dict) -> str:
     for family, by_variant in results.items():
         for name, r in by_variant.items():
             f32 = by_variant.get("float32", {}).get("peak_bytes")
-            hand = by_variant.get(VARIANTS[name].baseline or "", {}).get("peak_bytes")
-            hand_traffic = by_variant.get(VARIANTS[name].baseline or "", {}).get("kernel_bytes")
+            baseline = by_variant.get(VARIANTS[name].baseline or "", {})
+            hand, hand_traffic = baseline.get("peak_bytes"), baseline.get("kernel_bytes")
             peak, traffic = r["peak_bytes"], r["kernel_bytes"]
             rows.append(
                 [
