@@ -107,6 +107,34 @@ def rnn_loss(params, xs, y):
     return jnp.mean((h @ params["out"] - y) ** 2)
 
 
+def moe_init(key, d=16, hidden=32, experts=4):
+    k1, k2, k3 = jax.random.split(key, 3)
+    return dict(
+        router=_normal(k1, (d, experts), 0.1),
+        w_in=_normal(k2, (experts, d, hidden), d**-0.5),
+        w_out=_normal(k3, (experts, hidden, d), hidden**-0.5),
+    )
+
+
+def moe_loss(params, x, y, k=2):
+    """A mixture-of-experts layer: top-k routing, tokens sorted by expert and
+    multiplied by their experts' weights with grouped products (``ragged_dot``),
+    weighted results scattered back, and a load-balancing loss."""
+    experts = params["router"].shape[1]
+    probs = jax.nn.softmax(x @ params["router"], axis=-1)
+    gate, choice = lax.top_k(probs, k)
+    gate = gate / jnp.sum(gate, -1, keepdims=True)
+    order = jnp.argsort(choice.reshape(-1))
+    token = order // k
+    sizes = jnp.bincount(choice.reshape(-1), length=experts).astype(jnp.int32)
+    h = jax.nn.gelu(lax.ragged_dot(x[token], params["w_in"], sizes))
+    out = lax.ragged_dot(h, params["w_out"], sizes) * gate.reshape(-1)[order][:, None]
+    combined = jnp.zeros_like(x).at[token].add(out)
+    first_choice = jnp.mean(jax.nn.one_hot(choice[:, 0], experts), 0)
+    balance = experts * jnp.sum(jnp.mean(probs, 0) * first_choice)
+    return jnp.mean((x + combined - y) ** 2) + 0.01 * balance
+
+
 def model_cases(key=jax.random.key(0)):
     """(name, loss, params, inputs) for every model, with small data."""
     k = jax.random.split(key, 8)
@@ -129,5 +157,11 @@ def model_cases(key=jax.random.key(0)):
             rnn_loss,
             rnn_init(k[7]),
             (jax.random.normal(k[1], (7, 4, 6)), jax.random.normal(k[2], (4, 1))),
+        ),
+        (
+            "moe",
+            moe_loss,
+            moe_init(k[4]),
+            (jax.random.normal(k[5], (24, 16)), jax.random.normal(k[6], (24, 16))),
         ),
     ]
