@@ -94,9 +94,11 @@ def _ragged_dot_general(params) -> Product | None:
     ):
         return None
 
+    sharded = {} if params.get("out_sharding") is None else {"out_sharding": params["out_sharding"]}
+
     def apply(a, b, r, group_sizes):
         return lax.ragged_dot_general(
-            a, b, group_sizes, rdn, precision=precision, preferred_element_type=r
+            a, b, group_sizes, rdn, precision=precision, preferred_element_type=r, **sharded
         )
 
     return Product(

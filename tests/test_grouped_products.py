@@ -127,3 +127,26 @@ def test_a_grouped_product_jax_cannot_differentiate_still_runs_forward(low):
     got, want = jax.jit(mpjax.autocast(f, dtype=low))(x, y), f(x, y)
     assert got.shape == want.shape == (4, 16, 8) and got.dtype == F32
     np.testing.assert_allclose(got, want, atol=rel_tol(low) * float(jnp.max(jnp.abs(want))))
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest)")
+def test_a_grouped_products_out_sharding_is_kept(low):
+    # Explicit sharding cannot infer a ragged product's result sharding: the
+    # program gives it, and the float32-accumulating product keeps it.
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4,), ("a",), axis_types=(AxisType.Explicit,))
+    use_mesh = getattr(jax.sharding, "use_mesh", None) or jax.set_mesh
+    w, x, _ = _experts()
+    with use_mesh(mesh):
+        x = jax.device_put(x, NamedSharding(mesh, P("a")))
+        w = jax.device_put(w, NamedSharding(mesh, P()))
+
+        def f(w, x):
+            return jnp.tanh(lax.ragged_dot(x, w, GROUP_SIZES, out_sharding=P("a")))
+
+        jaxpr = jax.make_jaxpr(mpjax.autocast(f, dtype=low))(w, x)
+        reference = jax.make_jaxpr(f)(w, x)
+    assert [v.aval for v in jaxpr.jaxpr.outvars] == [v.aval for v in reference.jaxpr.outvars]
+    assert "a" in str(jaxpr.jaxpr.outvars[0].aval)
