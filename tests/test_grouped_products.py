@@ -4,6 +4,7 @@ float32 accumulator, and float32 gradients for float32 weights, never rounded to
 16 bits."""
 
 import itertools
+import re
 
 import chex
 import jax
@@ -71,6 +72,23 @@ def test_grouped_products_multiply_16_bit_values_backward_too(low):
     assert len(products) == (3 if low == jnp.float16 else 5)
     assert all(e.params["preferred_element_type"] == F32 for e in products)
 
+
+
+@pytest.mark.parametrize("dtype, low", [(jnp.float16, "f16"), (jnp.bfloat16, "bf16")])
+def test_gpu_program_multiplies_16_bit_groups(dtype, low):
+    """The program a GPU receives, exported here without one: each grouped product
+    (a ``chlo.ragged_dot``) multiplies 16-bit operands, and those of float32
+    arguments return float32."""
+    grad = jax.jit(jax.grad(mpjax.autocast(_grouped, dtype=dtype), argnums=(0, 1)))
+    module = jax.export.export(grad, platforms=["cuda"])(*_experts()).mlir_module()
+    impls = re.findall(r"func.func private @chlo.ragged_dot\.impl\S*\((.*)", module)
+    types = [
+        re.findall(r"%arg\d+: tensor<[\dx]*x(\w+)>", impl)[:2]
+        + re.findall(r"\) -> \(?tensor<[\dx]*x(\w+)>", impl)
+        for impl in impls
+    ]
+    # forward, the tokens' gradient, the experts' gradient; all float32 arguments
+    assert sorted(types) == [[low, low, "f32"]] * 3, types
 
 @pytest.mark.parametrize("transform", ["scan", "checkpoint"])
 def test_grouped_products_compose(low, transform):
