@@ -7,7 +7,8 @@ Literals are concrete; a constant the program computes is a tracer. `propagate`
 follows the values through the equations that make constants: exactly where the
 result is small (`EXACT_LIMIT` elements, evaluated at trace time), and as the set
 of values it can take where the equation only moves or selects values (a literal
-broadcast by ``jnp.full`` or ``jnp.where``). `fits` then decides as for a literal.
+broadcast by ``jnp.full`` or ``jnp.where``) or computes elementwise from such sets
+(``jnp.ones(n) * 1e5``). `fits` then decides as for a literal.
 """
 
 from __future__ import annotations
@@ -58,6 +59,30 @@ def propagate(scope, eqn, vals, outs, first_order: bool) -> None:
             union = np.unique(np.concatenate([np.ravel(k).astype(np.float64) for k in sources]))
             for o in floating:
                 scope.record_constant(o, union.astype(dtype_of(o)))
+    elif (
+        floating
+        and first_order
+        and eqn.primitive.name in policy.POINTWISE
+        and all(k is not None for k in known)
+    ):
+        _elementwise_sets(scope, eqn, known, outs)
+
+
+def _elementwise_sets(scope, eqn, known, outs) -> None:
+    """An elementwise function of constants whose values are known as sets (a large
+    ``jnp.ones(n) * 1e5``, ``(1 - causal_mask) * -1e9``): its results lie in the
+    function of every combination of its inputs' values, a superset that `fits`
+    judges as well. Skipped where the combinations are too many."""
+    sets = [np.unique(np.ravel(k)) for k in known]
+    n = int(np.prod([len(v) for v in sets]))
+    if n > EXACT_LIMIT:
+        return
+    grids = [g.ravel().astype(k.dtype) for g, k in zip(np.meshgrid(*sets, indexing="ij"), known)]
+    flat = [jax.ShapeDtypeStruct((n,), dtype_of(o)) for o in outs]
+    results = _evaluate(eqn, grids, flat)
+    for o, r in zip(outs, results or ()):
+        if policy.is_castable(dtype_of(o)):
+            scope.record_constant(o, np.unique(r))
 
 
 def _evaluate(eqn, known, outs):

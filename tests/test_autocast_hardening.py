@@ -92,6 +92,11 @@ _CONSTANTS = {
     "log_where": lambda y: jnp.log(jnp.where(y > 0, y, 1e-10)),
     "add_computed": lambda y: y[0] + jnp.where(jnp.arange(3) == 0, -1e9, jnp.arange(3) * 1e-9),
     "large_broadcast": lambda y: jnp.tile(y, (1, 400)) * jnp.full((4, 1200), 1e-8),
+    # arithmetic on constants too large to evaluate at trace time, followed as sets
+    "large_arithmetic": lambda y: jnp.tile(y, (1, 400)) * (jnp.ones((4, 1200)) * 1e5),
+    "large_mask_bias": lambda y: (
+        jnp.tile(y, (1, 400)) + (1.0 - jnp.tril(jnp.ones((4, 1200)))) * -1e9
+    ),
 }
 
 
