@@ -73,7 +73,7 @@ def product_of(eqn) -> Product | None:
 
 def _dot_general(params) -> Product:
     dn, precision = params["dimension_numbers"], params.get("precision")
-    sharded = {} if params.get("out_sharding") is None else {"out_sharding": params["out_sharding"]}
+    sharded = _out_sharding(params)
     return Product(
         lambda a, b, r: lax.dot_general(
             a, b, dn, precision=precision, preferred_element_type=r, **sharded
@@ -93,8 +93,7 @@ def _ragged_dot_general(params) -> Product | None:
         d in (*x_contract, *x_batch) for d in rdn.lhs_ragged_dimensions
     ):
         return None
-
-    sharded = {} if params.get("out_sharding") is None else {"out_sharding": params["out_sharding"]}
+    sharded = _out_sharding(params)
 
     def apply(a, b, r, group_sizes):
         return lax.ragged_dot_general(
@@ -106,6 +105,11 @@ def _ragged_dot_general(params) -> Product | None:
         lambda ct, b, a, r, gs: _ragged_transpose(ct, b, a, rdn, gs, precision, r, "lhs"),
         lambda ct, a, b, r, gs: _ragged_transpose(ct, a, b, rdn, gs, precision, r, "rhs"),
     )
+
+
+def _out_sharding(params) -> dict:
+    """A product's own ``out_sharding`` as keyword arguments (explicit sharding)."""
+    return {} if params.get("out_sharding") is None else {"out_sharding": params["out_sharding"]}
 
 
 _PRODUCTS = {"dot_general": _dot_general, "ragged_dot_general": _ragged_dot_general}
