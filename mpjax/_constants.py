@@ -45,7 +45,8 @@ def propagate(scope, eqn, vals, outs, first_order: bool) -> None:
     if all(is_concrete(o) for o in outs):
         return
     known = [values(scope, x) for x in vals]
-    if first_order and all(k is not None for k in known):
+    all_known = all(k is not None for k in known)
+    if first_order and all_known:
         if all(isinstance(n := size(o), int) and n <= EXACT_LIMIT for o in outs):
             exact = _evaluate(eqn, known, outs)
             if exact is not None:
@@ -59,12 +60,7 @@ def propagate(scope, eqn, vals, outs, first_order: bool) -> None:
             union = np.unique(np.concatenate([np.ravel(k).astype(np.float64) for k in sources]))
             for o in floating:
                 scope.record_constant(o, union.astype(dtype_of(o)))
-    elif (
-        floating
-        and first_order
-        and eqn.primitive.name in policy.POINTWISE
-        and all(k is not None for k in known)
-    ):
+    elif floating and first_order and all_known and eqn.primitive.name in policy.POINTWISE:
         _elementwise_sets(scope, eqn, known, outs)
 
 
