@@ -530,3 +530,17 @@ def test_gpu_memory_table_compares_with_float32_and_the_hand_cast_model():
     rows = gpu_memory.table(results).splitlines()[2:]
     assert rows[2] == "| gpt | autocast-bf16 | 9.00 | 0.450 | 0.750 | 66.00 | 1.100 | 850 |"
     assert rows[0] == "| gpt | float32 | 20.00 | 1.000 |  | 90.00 |  | 700 |"
+
+
+def test_kernel_kinds_are_told_from_kernel_names():
+    kind = importlib.import_module("benchmarks.kernels")._kind
+    names = {
+        "nvjet_sm90_tss_128x128_64x6_1x2_h_bz_bias_NNT command_buffer_1": "products",
+        "gemm_fusion_dot_52 command_buffer_1": "products",  # a Triton product
+        "sm90_xmma_fprop_implicit_gemm_bf16bf16 cudnn-conv.29": "products",
+        "wrapped_convert_49 wrapped_convert.49": "loop fusion",  # not a convolution
+        "loop_convert_fusion_11 command_buffer_1": "loop fusion",
+        "input_convert_reduce_fusion_9 command_buffer_1": "reduce fusion",
+        "memcpy128 command_buffer_233": "copy",
+    }
+    assert {n: kind(n) for n in names} == names
