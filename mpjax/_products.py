@@ -115,8 +115,9 @@ def _out_sharding(params) -> dict:
 _PRODUCTS = {"dot_general": _dot_general, "ragged_dot_general": _ragged_dot_general}
 
 
-def low_product(operands, parameters, product, low, extra=(), recast=True):
-    """`product` of the 16-bit `operands`, returning its float32 accumulator.
+def low_product(operands, parameters, product, low, extra=(), recast=True, result=F32):
+    """`product` of the 16-bit `operands`, returning its float32 accumulator (or,
+    with `result` 16-bit, its rounding).
 
     `parameters` holds, per operand, the float32 parameter it was cast from, or
     None for an activation. `extra` are the product's further operands (not
@@ -132,7 +133,7 @@ def low_product(operands, parameters, product, low, extra=(), recast=True):
         return product.apply(a, b, F32, *extra)
 
     def mpjax_low_product(a, b, *rest):  # the name marks it in jaxprs (`mpjax.audit`)
-        return dot(a, b, rest[:n_extra])
+        return product.apply(a, b, result, *rest[:n_extra])
 
     custom = jax.custom_jvp(mpjax_low_product)
 
@@ -155,8 +156,8 @@ def low_product(operands, parameters, product, low, extra=(), recast=True):
         ]
         out = custom(a, b, *rest)
         if not live:
-            return out, jax.numpy.zeros(out.shape, F32)
-        return out, _linear(live, extra, low)
+            return out, jax.numpy.zeros(out.shape, out.dtype)
+        return out, _linear(live, extra, low, result)
 
     custom.defjvp(jvp, symbolic_zeros=True)
     return custom(*operands, *extra, *[p for p in parameters if p is not None])
@@ -166,11 +167,12 @@ def _cast(x, low):
     return convert(x, low, False)
 
 
-def _linear(sides, extra, low):
+def _linear(sides, extra, low, result):
     """The product's tangent, the sum of ``apply(tangent, other)`` over the `sides`
-    (operands) with a tangent, as one linear function. Its transpose rounds the
-    cotangent to 16 bits once and multiplies it by each side's `other` into that
-    operand's gradient: float32 for a parameter, `low` for an activation."""
+    (operands) with a tangent, as one linear function returning `result`. Its
+    transpose rounds the cotangent to 16 bits once and multiplies it by each side's
+    `other` into that operand's gradient: float32 for a parameter, `low` for an
+    activation."""
     tangents = tuple(side[0] for side in sides)
     n_others = len(sides)
     residuals = tuple(side[1] for side in sides) + extra
@@ -178,7 +180,7 @@ def _linear(sides, extra, low):
     def forward(residuals, tangents):
         others, extra = residuals[:n_others], residuals[n_others:]
         terms = [side[2](t, o, extra) for side, t, o in zip(sides, tangents, others)]
-        return terms[0] if len(terms) == 1 else terms[0] + terms[1]
+        return (terms[0] if len(terms) == 1 else terms[0] + terms[1]).astype(result)
 
     def transposed(residuals, ct):
         others, extra = residuals[:n_others], residuals[n_others:]

@@ -25,7 +25,7 @@ class Equation(NamedTuple):
       >>> f = mpjax.autocast(lambda w, x: x @ w)
       >>> eqn = mpjax.audit(f, jnp.ones((4, 3)), jnp.ones((2, 4))).find("dot_general")[0]
       >>> eqn.primitive, eqn.in_dtypes, eqn.out_dtypes, eqn.path
-      ('dot_general', ('float16', 'float16'), ('float32',), '')
+      ('dot_general', ('float16', 'float16'), ('float16',), '')
     """
 
     primitive: str
@@ -61,7 +61,7 @@ class AuditReport:
       ...     return jnp.sum(jnp.exp(x @ w))
       >>> report = mpjax.audit(mpjax.autocast(f), jnp.ones((4, 3)), jnp.ones((2, 4)))
       >>> report.matmul_flops, report.low_precision_fraction, report.casts_inserted
-      (48, 1.0, 4)
+      (48, 1.0, 3)
     """
 
     equations: tuple[Equation, ...]

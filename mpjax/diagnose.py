@@ -89,7 +89,7 @@ def diagnose(
       >>> params = {"w": jnp.full((64, 8), 40.0)}
       >>> report = mpjax.diagnose(loss_fn, params, jnp.full((4, 64), 50.0))
       >>> report.runs[0].forward.primitive
-      'convert_element_type'
+      'dot_general'
       >>> report.reference_forward is None   # float32 is finite: a precision problem
       True
       >>> print(report)  # doctest: +SKIP

@@ -118,8 +118,9 @@ def _float32_accumulator(ctx, eqn, vals) -> bool:
 
 
 def _low_product_float32_accumulator(ctx, eqn, vals, args, low):
-    """The product of a float32 parameter in `low`, its float32 accumulator
-    rounded to `low`.
+    """The product of a float32 parameter in `low`: its float32 accumulator
+    rounded to `low`, or a product returning `low` where no reader takes the
+    accumulator (`mpjax.fusions.Fusions.accumulated`).
 
     The forward value is what a low-precision product gives (16-bit operands,
     float32 accumulation, one rounding). The backward products multiply 16-bit
@@ -127,16 +128,24 @@ def _low_product_float32_accumulator(ctx, eqn, vals, args, low):
     the batch, never rounded, which data-parallel jit all-reduces in float32
     (`mpjax._products`).
     """
-    accumulator = _products.low_product(
+    # Where no reader takes the accumulator, the product returns its 16-bit
+    # rounding itself: a GPU product then writes 16 bits, not float32 and a
+    # rounding kernel after it (a cuBLAS call cannot round its float32 result).
+    accumulated = id(eqn) in ctx.accumulated
+    out = _products.low_product(
         args[:2],
         fusions.parameters(ctx, eqn, vals)[:2],
         _products.product_of(eqn),
         low,
         extra=tuple(args[2:]),  # a ragged product's group sizes
         recast=ctx.scope.parent is None,  # in a loop body the cast is hoisted: keep it
+        result=F32 if accumulated else low,
     )
-    rounded = convert(accumulator, low, False)
-    ctx.scope.keep_accumulator(rounded, accumulator)  # for a bias added next
+    if not accumulated:  # a bias add widens the rounding (`mpjax.fusions.bias_add`)
+        ctx.scope.keep_accumulator(out, lambda: convert(out, F32, False))
+        return [out]
+    rounded = convert(out, low, False)
+    ctx.scope.keep_accumulator(rounded, out)  # for a bias added next
     return [rounded]
 
 

@@ -12,12 +12,16 @@ groups in a jaxpr, before it is evaluated:
 
 * a *bias add*: ``add`` of a product (``dot_general``, a convolution) and a value
   it broadcasts (fewer elements, or a broadcast of fewer). `bias_add` adds the
-  bias to the product's float32 accumulator where the product kept one
-  (`mpjax.first_order`), and rounds once; otherwise the bias joins the product's
-  dtype. A sum that only a tanh or sigmoid reads (`SQUASHING`, through layout
-  and further sums) is handed on in float32 instead, unrounded: a recurrent
-  cell's gates (the products of its input and its state, and a bias) or a tanh
-  layer, which torch's fused LSTM and GRU cells add and squash in float32.
+  bias, in float32, to the 16-bit result of a product of a float32 parameter
+  (`mpjax.first_order`) and rounds the sum; otherwise the bias joins the
+  product's dtype. The product returns 16 bits, which a GPU writes directly: a
+  float32 accumulator rounded after the add is written in float32 and rounded by
+  a kernel of its own wherever XLA runs the product on cuBLAS (a language
+  model's logits). A sum that stays float32 adds the accumulator: one that only
+  a tanh or sigmoid reads (`SQUASHING`, through layout and further sums) is
+  handed on in float32, unrounded: a recurrent cell's gates (the products of its
+  input and its state, and a bias) or a tanh layer, which torch's fused LSTM and
+  GRU cells add and squash in float32.
   Rounding it would not shrink what the backward pass keeps: neither the sums
   nor the squashing functions keep their operand.
 * a *residual sum*: ``add`` of a float32 value and a product (or product plus
@@ -90,6 +94,9 @@ class Fusions(NamedTuple):
     arguments: frozenset = frozenset()
     """The jaxpr's arguments, and values only layout primitives made from one:
     the parameters a product may read (a weight, or its transpose)."""
+    accumulated: frozenset = frozenset()
+    """ids of the products whose float32 accumulator a reader takes (a residual sum,
+    a bias add whose sum stays float32); the others return 16 bits (`first_order`)."""
     selects: dict = {}
     """By the index of each floating ``select_n``: its operands broadcast from
     fewer elements, as (operand position, broadcast equation) pairs."""
@@ -134,8 +141,22 @@ def find(jaxpr) -> Fusions:
         if e.primitive.name == "select_n" and _has_derivative(e.outvars[0])
     }
     residual_sums = _residual_sums(eqns, producer, readers, bias_adds)
+    # A 16-bit bias sum adds the product's rounding (`bias_add`); a float32 one (a
+    # gate's, or one a residual sum reads) its accumulator, as a residual sum does.
+    summed = _read_by_any(adds, residual_sums, eqns, readers)
+    takers = float32_sums | residual_sums | summed
+    accumulated = _read_by_any([e for e in eqns if e.outvars], takers, eqns, readers)
     fused = (bias_adds, float32_sums, residual_sums, chains, frozenset(deferred))
-    return Fusions(*fused, _arguments(jaxpr), selects)
+    return Fusions(*fused, _arguments(jaxpr), accumulated, selects)
+
+
+def _read_by_any(candidates, ids, eqns, readers) -> frozenset:
+    """ids of the `candidates` (equations) whose result an equation of `ids` reads."""
+    return frozenset(
+        id(e)
+        for e in candidates
+        if any(r != _OUTPUT and id(eqns[r]) in ids for r in readers[e.outvars[0]])
+    )
 
 
 def _residual_sums(eqns, producer, readers, bias_adds) -> frozenset:
@@ -293,10 +314,12 @@ def joins_product(ctx, eqn, vals, weak) -> bool:
 
 
 def bias_add(ctx, eqn, vals):
-    """A product plus its bias (`joins_product`): the bias added to the
-    product's float32 accumulator and the sum rounded once (kept float32 where
-    `find` hands it on so), where the product kept one. None where it did not:
-    the caller then runs the add in the product's dtype."""
+    """A product plus its bias (`joins_product`), for a product of a float32
+    parameter: the bias added in float32 to the product's 16-bit result widened,
+    and the sum rounded; added to its float32 accumulator where the product kept
+    one (`Fusions.accumulated`: a sum that `find` hands on in float32 or a
+    residual sum reads). None for other products: the caller then runs the add in
+    the product's dtype."""
     product = _product_operand(eqn, vals)
     accumulator = ctx.scope.accumulator(product)
     if accumulator is None:

@@ -98,13 +98,16 @@ class Scope:
         epilogue adds one, and a residual sum reads it (`mpjax.fusions`). Any
         other float32 reader reads the 16-bit rounding widened, as torch's do: on
         a GPU the product writes its result to memory, and a float32 one is twice
-        the bytes (docs/policy.md)."""
+        the bytes (docs/policy.md). `accumulator` may be a function making it (a
+        16-bit product's rounding widened, made only if a bias add asks)."""
         self._accumulators[id(rounded)] = (rounded, accumulator)
 
     def accumulator(self, rounded):
         """The float32 accumulator `rounded` came from in this scope, or None."""
         entry = self._accumulators.get(id(rounded))
-        return None if entry is None else entry[1]
+        if entry is None:
+            return None
+        return entry[1]() if callable(entry[1]) else entry[1]
 
     def seed(self, x, dtype, cast_x) -> None:
         self._casts[(id(x), np.dtype(dtype))] = (x, cast_x)
@@ -150,6 +153,8 @@ class Context(NamedTuple):
     """ids of those whose sum stays float32 (read by `mpjax.fusions.SQUASHING`)."""
     residual_sums: frozenset = frozenset()
     """ids of the adds that read a product's float32 accumulator (`mpjax.fusions`)."""
+    accumulated: frozenset = frozenset()
+    """ids of the products whose float32 accumulator a reader takes (`mpjax.fusions`)."""
     arguments: frozenset = frozenset()
     """The variables holding the jaxpr's arguments (parameters), `mpjax.fusions`."""
     memo: dict | None = None
@@ -225,6 +230,7 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
         bias_adds=fused.bias_adds,
         float32_sums=fused.float32_sums,
         residual_sums=fused.residual_sums,
+        accumulated=fused.accumulated,
         arguments=fused.arguments,
     )
     for i, eqn in enumerate(jaxpr.eqns):

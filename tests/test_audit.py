@@ -15,17 +15,17 @@ def test_report_lists_dtypes_casts_and_flops():
     w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
     report = mpjax.audit(mpjax.autocast(f), w, x)
     (dot,) = report.find("dot_general")
-    # float16 operands; the float32 accumulator is kept (see autocast's reduce_dtype)
-    assert dot.in_dtypes == ("float16", "float16") and dot.out_dtypes == ("float32",)
+    # float16 operands and result: no reader takes the float32 accumulator
+    assert dot.in_dtypes == ("float16", "float16") and dot.out_dtypes == ("float16",)
     assert "test_audit.py" in dot.source
     assert report.find("exp")[0].in_dtypes == ("float32",)
     assert report.matmul_flops == 2 * 2 * 4 * 3
     assert report.low_precision_fraction == 1.0
-    # w, x down; the product's result rounded to float16, then widened for exp (a
-    # float32 operation reads the 16-bit result, as torch's do).
-    assert report.float_casts == report.casts_inserted == 4
+    # w, x down; the product's float16 result widened for exp (a float32
+    # operation reads the 16-bit result, as torch's do).
+    assert report.float_casts == report.casts_inserted == 3
     text = str(report)
-    assert "dot_general" in text and "float16, float16 -> float32" in text
+    assert "dot_general" in text and "float16, float16 -> float16" in text
     assert "100.0%" in text
 
 
@@ -73,9 +73,9 @@ def test_bfloat16_casts_are_counted():
     report = mpjax.audit(
         mpjax.autocast(lambda w: jnp.sum(w @ w), dtype=jnp.bfloat16), jnp.ones((3, 3))
     )
-    # w down, once for both operands; the product's result rounded to bfloat16, then
-    # widened for the sum.
-    assert report.float_casts == report.casts_inserted == 3
+    # w down, once for both operands; the product's bfloat16 result widened for
+    # the sum.
+    assert report.float_casts == report.casts_inserted == 2
 
 
 def test_a_cond_counts_the_flops_of_its_costliest_branch():

@@ -266,9 +266,10 @@ def test_gpu_program_keeps_backward_products_in_16_bits(dtype, low):
     types = _exported_dot_types(dtype, "cuda")
     assert len(types) == 5  # two forward; backward: two weight gradients, one for h
     assert all(t[:2] == (low, low) for t in types), types
-    # float32 results: the two forward accumulators and the two weight gradients
-    # (never rounded to 16 bits); the cotangent of the activation h is 16-bit
-    assert sorted(t[2] for t in types) == sorted([low, "f32", "f32", "f32", "f32"]), types
+    # float32 results: the two weight gradients (never rounded to 16 bits) and the
+    # first product's accumulator, which its bias and tanh read (a gate's sum);
+    # 16-bit: the logits' product and the cotangent of the activation h
+    assert sorted(t[2] for t in types) == sorted([low, low, "f32", "f32", "f32"]), types
 
 
 def test_cpu_program_multiplies_bfloat16_weight_gradients_as_its_backend_can():

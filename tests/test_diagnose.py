@@ -237,13 +237,13 @@ def test_a_scan_is_searched_step_by_step():
         c, _ = lax.scan(lambda c, _: (c @ w, None), c0, None, length=6)  # SCAN
         return jnp.sum(c) * 1e-6
 
-    # 10**(step + 1): step 4's product makes 100000, beyond float16, rounded to
-    # inf before the float32 carry widens it. In float32 all is finite.
+    # 10**(step + 1): step 4's product makes 100000, beyond float16: the product
+    # returns inf before the float32 carry widens it. In float32 all is finite.
     report = mpjax.diagnose(loss_fn, 10 * jnp.eye(4), jnp.ones((2, 4)))
     origin = report.runs[0].forward
-    assert (origin.primitive, origin.inside) == ("convert_element_type", "scan step 4")
+    assert (origin.primitive, origin.inside) == ("dot_general", "scan step 4")
     assert (origin.file, origin.line) == (__file__, _line("SCAN"))
-    assert origin.in_max_abs == 1e5 and report.reference_forward is None
+    assert origin.in_max_abs == 1e4 and report.reference_forward is None
 
 
 def test_text_plot_and_dict(forward_report, tmp_path):

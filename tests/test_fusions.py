@@ -1,11 +1,14 @@
 """A product and its bias, and an activation function between two products, each
 run as one operation (torch's linear and its fused activation kernels)."""
 
+import re
+
 import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import mpjax
@@ -29,18 +32,50 @@ def _params():
     return {"w1": _w(8, 16), "b1": _w(16, seed=1), "w2": _w(16, 4, seed=2), "b2": _w(4, seed=3)}
 
 
+def _dot_results(lowered: str) -> list[str]:
+    """The result element type of every dot_general of a lowered program."""
+    return re.findall(r"stablehlo\.dot_general .*-> tensor<(?:\d+x)*(\w+)>", lowered)
+
+
 @pytest.mark.parametrize("dtype", [F16, BF16])
-def test_bias_is_added_to_the_float32_accumulator_and_rounded_once(dtype):
+def test_a_bias_is_added_in_float32_to_the_products_16_bit_result(dtype):
     x, w, b = _w(4, 8, seed=4), _w(8, 16), _w(16, seed=1)
-    out = mpjax.autocast(lambda x, w, b: x @ w + b, dtype=dtype)(x, w, b)
+    f = mpjax.autocast(lambda x, w, b: x @ w + b, dtype=dtype)
+    out = f(x, w, b)
     # torch's linear: the activation leaves in 16 bits (autocast's result is
     # returned at the traced float32 dtype, holding 16-bit values)
     assert out.dtype == F32
     chex.assert_trees_all_equal(out, out.astype(dtype).astype(F32))
-    x16, w16 = x.astype(dtype).astype(F32), w.astype(dtype).astype(F32)
-    exact = jnp.dot(x16, w16, precision="highest") + b
-    # one rounding of the float32 sum: at most one 16-bit ulp from the exact one
-    chex.assert_trees_all_close(out, exact, rtol=2 * jnp.finfo(dtype).eps)
+    product = jax.lax.dot(x.astype(dtype), w.astype(dtype), preferred_element_type=dtype)
+    expected = (product.astype(F32) + b).astype(dtype).astype(F32)
+    chex.assert_trees_all_close(out, expected, rtol=jnp.finfo(dtype).eps)  # within an ulp
+    # The product returns 16 bits, which a GPU writes directly: no float32
+    # result for a kernel of its own to round.
+    low = "f16" if dtype == F16 else "bf16"
+    assert _dot_results(jax.jit(f).lower(x, w, b).as_text()) == [low]
+    grads = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(1, 2))(x, w, b)
+    chex.assert_trees_all_equal_dtypes(grads, (w, b))
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_a_models_products_return_16_bits_where_no_float32_sum_reads_them(dtype):
+    # A classifier and its loss, autocast as a whole: the head's logits (its
+    # bias added) are read by the loss, and no product writes float32.
+    model = nn.Sequential([nn.Dense(32), nn.relu, nn.Dense(32), nn.gelu, nn.Dense(10)])
+    x, labels = _w(8, 16, seed=4), jnp.arange(8) % 10
+    params = model.init(jax.random.key(0), x)
+
+    def loss(params, x):
+        logits = model.apply(params, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    low = "f16" if dtype == F16 else "bf16"
+    f = mpjax.autocast(loss, dtype=dtype)
+    assert _dot_results(jax.jit(f).lower(params, x).as_text()) == [low] * 3
+    grads = jax.grad(f)(params, x)
+    chex.assert_trees_all_equal_dtypes(grads, params)
+    reference = jax.grad(loss)(params, x)
+    chex.assert_trees_all_close(grads, reference, rtol=0.05, atol=0.05)
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16])
@@ -123,7 +158,7 @@ def test_flax_dense_output_is_16_bit_and_its_bias_gradient_float32():
     loss = mpjax.autocast(lambda p, x: jnp.sum(model.apply(p, x).astype(F32) ** 2), dtype=BF16)
     jaxpr = jax.make_jaxpr(loss)(params, x)
     adds = [e for e in all_eqns(jaxpr) if e.primitive.name == "add"]
-    assert [e.invars[0].aval.dtype for e in adds] == [F32]  # the accumulator plus the bias
+    assert [e.invars[0].aval.dtype for e in adds] == [F32]  # the product, widened, plus the bias
     grads = jax.grad(loss)(params, x)
     chex.assert_trees_all_equal_dtypes(grads, params)
     reference = jax.grad(lambda p, x: jnp.sum(model.apply(p, x) ** 2))(params, x)
@@ -221,12 +256,13 @@ def test_float32_accumulator_is_for_parameters_not_activations():
         return probs @ x
 
     x, wq, wk = _w(4, 8), _w(8, 8, seed=1), _w(8, 8, seed=2)
-    jaxpr = jax.make_jaxpr(mpjax.autocast(attention, dtype=BF16))(x, wq, wk)
-    dots = [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
-    assert [e.outvars[0].aval.dtype for e in dots] == [F32, F32, BF16, F32]
-    jaxpr = jax.make_jaxpr(mpjax.autocast(lambda x, w: jnp.tanh(x @ w), dtype=BF16))(x, wq)
-    (dot,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
-    assert dot.outvars[0].aval.dtype == F32  # a weight: its gradient sums in float32
+    f = mpjax.autocast(attention, dtype=BF16)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(1, 2)))(x, wq, wk)
+    dots = [e.outvars[0].aval for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
+    # Every product returns 16 bits but those giving the weights' gradients,
+    # float32 sums over the batch; the activations' cotangents are 16-bit.
+    assert {(a.dtype, a.shape) for a in dots if a.dtype != BF16} == {(F32, (8, 8))}
+    assert sum(a.dtype == BF16 for a in dots) == 7  # 4 forward, 3 for activations
 
 
 def _lstm_loss(params, xs):
