@@ -22,6 +22,27 @@ import time
 WORKER_FIELDS = ("family", "variant", "step_s", "items_per_s", "peak_bytes", "compile_s")
 
 
+def compiled_step(spec, variant_name: str, copy: bool = False):
+    """``(compiled, (params, state, opt_state, batch), compile_s)``: the variant's
+    training step compiled with its parameters and states donated (updated in
+    place), and its first arguments. `spec.init` is cached: with `copy`, the step
+    gets copies, so that another step of the same process can start from them too
+    (the cached arrays then stay alive beside the step's)."""
+    import jax
+
+    from benchmarks.variants import VARIANTS, train_step
+
+    step, tx = train_step(spec, VARIANTS[variant_name])
+    step = jax.jit(step, donate_argnums=(0, 1, 2))
+    params, state = spec.init(0)
+    if copy:
+        params, state = jax.tree.map(jax.numpy.copy, (params, state))
+    args = (params, state, tx.init(params), spec.batch(jax.random.key(1)))
+    t0 = time.perf_counter()
+    compiled = step.lower(*args).compile()
+    return compiled, args, time.perf_counter() - t0
+
+
 def worker(
     family: str,
     variant_name: str,
@@ -36,18 +57,9 @@ def worker(
     if matmul_precision:
         jax.config.update("jax_default_matmul_precision", matmul_precision)
     from benchmarks.models import SIZES
-    from benchmarks.variants import VARIANTS, train_step
 
     spec = SIZES[size][family]
-    step, tx = train_step(spec, VARIANTS[variant_name])
-    step = jax.jit(step, donate_argnums=(0, 1, 2))  # update params and states in place
-    params, state = spec.init(0)
-    opt_state = tx.init(params)
-    batch = spec.batch(jax.random.key(1))
-
-    t0 = time.perf_counter()
-    compiled = step.lower(params, state, opt_state, batch).compile()
-    compile_s = time.perf_counter() - t0
+    compiled, (params, state, opt_state, batch), compile_s = compiled_step(spec, variant_name)
     for _ in range(2):  # warm-up
         params, state, opt_state, loss = compiled(params, state, opt_state, batch)
     jax.block_until_ready(loss)

@@ -65,17 +65,12 @@ def _device_events(path: Path) -> list[tuple[str, str, float]]:
 def profile(family: str, variant_name: str, size: str, steps: int, hlo_dir: Path | None):
     import jax
 
+    from benchmarks.gpu import compiled_step
     from benchmarks.models import SIZES
-    from benchmarks.variants import VARIANTS, train_step
 
-    spec = SIZES[size][family]
-    step, tx = train_step(spec, VARIANTS[variant_name])
-    step = jax.jit(step, donate_argnums=(0, 1, 2))
-    # A copy: `init` is cached, and the step donates what it is given.
-    params, state = jax.tree.map(jax.numpy.copy, spec.init(0))
-    opt_state = tx.init(params)
-    batch = spec.batch(jax.random.key(1))
-    compiled = step.lower(params, state, opt_state, batch).compile()
+    # Several variants run in this process: each step donates copies.
+    compiled, args, _ = compiled_step(SIZES[size][family], variant_name, copy=True)
+    params, state, opt_state, batch = args
     if hlo_dir is not None:
         hlo_dir.mkdir(parents=True, exist_ok=True)
         (hlo_dir / f"{family}-{variant_name}.txt").write_text(compiled.as_text())
