@@ -141,8 +141,9 @@ def _low_product_float32_accumulator(ctx, eqn, vals, args, low):
         recast=ctx.scope.parent is None,  # in a loop body the cast is hoisted: keep it
         result=F32 if accumulated else low,
     )
-    if not accumulated:  # a bias add widens the rounding (`mpjax.fusions.bias_add`)
-        ctx.scope.keep_accumulator(out, lambda: convert(out, F32, False))
+    if not accumulated:  # a bias add widens the rounding (`mpjax.fusions.bias_add`),
+        # through the scope's casts: one widening for every float32 reader
+        ctx.scope.keep_accumulator(out, lambda: ctx.scope.cast(out, F32))
         return [out]
     rounded = convert(out, low, False)
     ctx.scope.keep_accumulator(rounded, out)  # for a bias added next
