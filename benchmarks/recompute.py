@@ -39,6 +39,9 @@ REMAT = frozenset({"checkpoint", "remat", "remat2"})
 """The names JAX (0.10 to 0.12) gives the primitive of `jax.checkpoint`."""
 
 PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
+NOT_WORK = frozenset({"platform_index"})
+"""Equations that compute nothing at run time (``lax.platform_dependent``'s choice,
+made where the program is lowered)."""
 
 
 def _is_var(v) -> bool:
@@ -99,7 +102,7 @@ def _walk(jaxpr, tainted_in, in_backward_remat: bool, times: int, tally: _Tally)
         ins = [dep(v) for v in eqn.invars]
         outs = _call(eqn, ins, in_backward_remat, times, tally)
         if outs is None:  # a primitive
-            if in_backward_remat and not any(ins):
+            if in_backward_remat and not any(ins) and eqn.primitive.name not in NOT_WORK:
                 tally.add(eqn, times)
             else:
                 tally.read(eqn.invars, times)

@@ -232,6 +232,27 @@ def test_a_jitted_gradient_keeps_no_float32_intermediates_either():
         assert autocast < temp_bytes(handcast)
 
 
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_a_gpu_program_hands_the_activations_cotangent_on_in_16_bits(dtype):
+    """XLA:GPU computes in excess precision: it reads a float32 value through its
+    rounding to 16 bits and back. The bias gradient's sum would then read the
+    activation's float32 cotangent, which its backward kernel writes to memory in
+    float32 between two kernels. The program a GPU receives (exported here without
+    one) keeps the rounded cotangent apart, behind an optimization barrier; other
+    backends' programs do not."""
+    loss = mpjax.autocast(lambda p, x: jnp.sum(_mlp(p, x).astype(F32)), dtype=dtype)
+    grad = jax.jit(jax.grad(loss))
+
+    def barriers(platform):
+        module = jax.export.export(grad, platforms=[platform])(_params(), _w(64, 8, seed=4))
+        # single-operand barriers: jax.checkpoint's own take several values
+        return re.findall(r"optimization_barrier %\d+ : tensor<(\w+)>", module.mlir_module())
+
+    low = jnp.dtype(dtype).name.replace("float", "f").replace("bfloat", "bf")
+    assert barriers("cuda") == [f"64x16x{low}"]  # the GELU's input, 64 x 16
+    assert barriers("cpu") == []
+
+
 def test_gradients_match_float32_as_before():
     params, x = _params(), _w(32, 8, seed=4)
     loss = lambda p, x: jnp.mean(_mlp(p, x).astype(F32) ** 2)  # noqa: E731
