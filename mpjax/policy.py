@@ -118,13 +118,14 @@ AS_RECEIVED = _table(Rule.AS_RECEIVED, [
 POLICY: dict[str, Rule] = {**LOW_PRECISION, **FLOAT32, **WIDEST, **AS_RECEIVED}
 """Every primitive with a rule; anything else is `Rule.ORIGINAL`."""
 
-# Products that return their float32 accumulator, rounded to the low dtype only
-# afterwards, when an input was float32 before autocast cast it (a weight). Their
-# transposes, the gradients of those float32 values, then come out float32: summed
+# Products whose transposes, when an input was float32 before autocast cast it (a
+# weight), multiply 16-bit operands into that value's float32 gradient: summed
 # across a batch in float32, and all-reduced in float32 under data-parallel jit, as
 # torch DDP reduces float32 `.grad`s. ``autocast(..., reduce_dtype=dtype)`` turns it
-# off for the bandwidth. Convolutions are left out: GPUs have no convolution from
-# 16-bit operands to a float32 result, so its transpose would run in float32.
+# off for the bandwidth. The forward product returns 16 bits, or its float32
+# accumulator where a float32 sum reads it (`mpjax.fusions`). Convolutions are
+# left out: GPUs have no convolution from 16-bit operands to a float32 result, so
+# its transpose would run in float32.
 FLOAT32_ACCUMULATOR = frozenset({"dot_general", "ragged_dot_general"})
 
 # Sums are float32, forward and backward. The FLOAT32 table covers the reductions
