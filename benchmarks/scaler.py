@@ -333,7 +333,7 @@ def main(argv=None) -> None:
         print("|---|---|---|---|")
     for family in args.models:
         spec = SIZES["runtime"][family]
-        r = timing.scaler_overhead(spec, "autocast-f16", repeats=15, steps=10)
+        r = timing.scaler_overhead(spec, "autocast-f16", repeats=args.repeats, steps=10)
         print(
             f"| {family} {spec.describe()} | {1e3 * r['plain_s']:.2f} "
             f"| {1e3 * r['scaler_s']:.2f} | {r['ratio']:.3f} |",

@@ -244,7 +244,7 @@ def test_gpu_jobs_add_true_float32_only_where_float32_is_asked_for():
 def test_scaler_benchmark_runs_and_reports_ratios(capsys):
     from benchmarks import scaler
 
-    scaler.main(["--leaves", "3", "--params", "3000"])
+    scaler.main(["--leaves", "3", "--params", "3000", "--repeats", "2", "--compile-repeats", "1"])
     out = capsys.readouterr().out
     assert "| 3 |" in out and "| 3e+03 |" in out
     rows = [line.split("|") for line in out.splitlines() if line.startswith("| 3")]
@@ -257,7 +257,7 @@ def test_scaler_benchmark_runs_and_reports_ratios(capsys):
 def test_scaler_benchmark_measures_only_the_named_wrappers(capsys):
     from benchmarks import scaler
 
-    scaler.main(["--leaves", "3", "--params", "3000", "--scalers", "grad_scaler"])
+    scaler.main(["--leaves", "3", "--params", "3000", "--scalers", "grad_scaler", "--repeats", "2"])
     out = capsys.readouterr().out
     assert "| leaves | adam compile (s) | grad_scaler (s) | ratio |\n" in out
     assert "apply_if_finite" not in out and "check_updates" not in out
@@ -300,7 +300,9 @@ def test_scaler_benchmark_donates_the_state_and_feeds_it_forward(capsys):
     assert int(state[0].inner_state[0].count) == 3
     assert first.inner_state[0].mu["w"].is_deleted()  # donated, not copied
 
-    scaler.main(["--leaves", "--params", "3000", "--donate", "--scalers", "grad_scaler"])
+    scaler.main(
+        ["--leaves", "--params", "3000", "--donate", "--scalers", "grad_scaler", "--repeats", "2"]
+    )
     out = capsys.readouterr().out
     assert "| parameters (10 leaves, state donated) |" in out
     (row,) = [line.split("|") for line in out.splitlines() if line.startswith("| 3e+03")]
@@ -322,7 +324,7 @@ def test_scaler_benchmark_compiles_on_a_models_parameter_tree(capsys):
 def test_scaler_benchmark_compiles_the_scalers_halves_apart(capsys):
     from benchmarks import scaler
 
-    scaler.main(["--leaves", "3", "--params", "--parts"])
+    scaler.main(["--leaves", "3", "--params", "--parts", "--compile-repeats", "1"])
     out = capsys.readouterr().out
     assert "| check only (s) | ratio | selection only (s) | ratio |" in out
     rows = [line.split("|") for line in out.splitlines() if line.startswith("| 3 |")]
@@ -367,7 +369,7 @@ def test_scaler_benchmark_times_the_finite_check_by_leaf_size(capsys):
     from mpjax import _finite
 
     large = _finite.LARGE
-    scaler.main(["--leaves", "--params", "--check", str(large - 1), str(large)])
+    scaler.main(["--leaves", "--params", "--check", str(large - 1), str(large), "--repeats", "2"])
     out = capsys.readouterr().out
     assert "adam" not in out  # no compile or update rows were asked for
     rows = [line.split("|") for line in out.splitlines() if line.startswith("| 1638")]
@@ -379,7 +381,7 @@ def test_scaler_benchmark_times_a_models_training_step(monkeypatch, capsys):
     from benchmarks import models, scaler
 
     monkeypatch.setitem(scaler.SIZES, "runtime", models.SIZES["smoke"])
-    scaler.main(["--leaves", "--params", "--models", "resnet"])
+    scaler.main(["--leaves", "--params", "--models", "resnet", "--repeats", "2"])
     (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| resnet")]
     plain, scaled, ratio = (float(c) for c in row.split("|")[2:5])
     assert plain > 0 and scaled > 0 and ratio == pytest.approx(scaled / plain, rel=0.05)
