@@ -2,8 +2,7 @@
 
 The interpreter reads jaxprs and re-binds primitives. The public ways to do that
 move between JAX releases; each difference is absorbed here, nowhere else. The one
-private optax name mpjax recognises (`is_optax_placeholder`) is here too.
-"""
+private optax name mpjax recognises (`is_optax_placeholder`) is here too."""
 
 from __future__ import annotations
 
@@ -238,11 +237,9 @@ def weight_gradient(product, ct, low):
 
 
 def is_optax_placeholder(params) -> bool:
-    """Whether `params` is the stand-in `optax.tree_map_params` inits optimizers on.
-
-    A private optax class (``optax.tree_utils._state_utils._ParamsPlaceholder``),
-    recognised by name so that a move between optax releases cannot break imports.
-    """
+    """Whether `params` is the stand-in `optax.tree_map_params` inits optimizers on:
+    a private optax class (``optax.tree_utils._state_utils._ParamsPlaceholder``),
+    recognised by name so that a move between optax releases cannot break imports."""
     cls = type(params)
     return cls.__name__ == "_ParamsPlaceholder" and cls.__module__.startswith("optax")
 
@@ -284,8 +281,8 @@ def abstract(x, dtype, slice_leading: bool = False):
 
 
 def _nonempty(v):
-    """`v`, padded to one element along its first axis if it has none (a scan
-    over zero steps still has a body to probe)."""
+    """`v`, padded to one element along an empty first axis (a scan over zero steps
+    still has a body to probe)."""
     if v.shape[0]:
         return v
     config = [(0, 1, 0)] + [(0, 0, 0)] * (v.ndim - 1)
@@ -391,10 +388,13 @@ if _linear_call_p not in getattr(_batching, "fancy_primitive_batchers", {}) and 
 def called_name(eqn) -> str:
     """The name of the function a call-like equation calls (its `name` param, or
     the name its jaxpr's debug info records for a custom_jvp_call)."""
-    if "name" in eqn.params:
-        return str(eqn.params["name"])
+    return str(eqn.params["name"]) if "name" in eqn.params else called_source(eqn).split(" ")[0]
+
+
+def called_source(eqn) -> str:
+    """``"name at file:line"`` of the function a custom_jvp_call calls, as its
+    jaxpr's debug info records it ("" where it records none)."""
     for sub in sub_jaxprs(eqn.params):
         info = getattr(getattr(sub, "jaxpr", sub), "debug_info", None)
-        source = getattr(info, "func_src_info", None) or ""
-        return source.split(" ")[0]
+        return getattr(info, "func_src_info", None) or ""
     return ""

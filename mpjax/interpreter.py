@@ -29,6 +29,7 @@ import numpy as np
 from mpjax import _compat
 from mpjax import _constants
 from mpjax import _pointwise
+from mpjax import _reorder
 from mpjax import first_order
 from mpjax import fusions
 from mpjax._casting import convert, dtype_of
@@ -233,9 +234,16 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
         accumulated=fused.accumulated,
         arguments=fused.arguments,
     )
+    pools = _reorder.relu_pools(jaxpr) if jaxpr.eqns and not ctx.region.lean else {}
+    relus = frozenset(pools.values())
     for i, eqn in enumerate(jaxpr.eqns):
-        if i in fused.deferred:
-            continue  # evaluated with the pointwise function it belongs to
+        if i in fused.deferred or i in relus:
+            continue  # evaluated with the pointwise function or max-pool it belongs to
+        if i in pools:  # relu(max_pool(x)) for max_pool(relu(x)): `mpjax._reorder`
+            relu = jaxpr.eqns[pools[i]]
+            _evaluate(ctx, eqn.replace(invars=relu.invars), read, env)
+            _reorder.relu_of(env, eqn.outvars[0], relu)
+            continue
         chain = fused.chains.get(i)
         if chain is not None and _fuses(ctx, chain, jaxpr.eqns, env):
             source, source_weak = env[chain.source]
