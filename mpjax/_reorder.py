@@ -62,11 +62,15 @@ def relu_pools(jaxpr) -> dict[int, int]:
     return {k: i for k, i in pools.items() if reads[eqns[i].outvars[0]] == 1}
 
 
-def relu_of(env, out, relu_eqn) -> None:
-    """``env[out]``, a max-pool's value, replaced by its ReLU (`relu_eqn`'s function)."""
+def relu_of(evaluate, env, out, relu_eqn) -> None:
+    """``env[out]``, a max-pool's value, replaced by its ReLU: ``jax.nn.relu`` traced
+    at the pooled type and run by `evaluate` (``(closed jaxpr, args, weak)`` to
+    outputs), as the interpreter runs the ReLU it replaces (its derivative's
+    zeros made again in the backward pass, not kept)."""
     pooled, weak = env[out]
     with _compat.equation_context(relu_eqn):
-        env[out] = (jax.nn.relu(pooled), weak)
+        (value,), _ = evaluate(jax.make_jaxpr(jax.nn.relu)(pooled), [pooled], [weak])
+    env[out] = (value, weak)
 
 
 def _is_relu(eqn) -> bool:

@@ -242,7 +242,8 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
         if i in pools:  # relu(max_pool(x)) for max_pool(relu(x)): `mpjax._reorder`
             relu = jaxpr.eqns[pools[i]]
             _evaluate(ctx, eqn.replace(invars=relu.invars), read, env)
-            _reorder.relu_of(env, eqn.outvars[0], relu)
+            relu_ctx = ctx._replace(region=region_of(relu, ctx.region))
+            _reorder.relu_of(functools.partial(eval_closed, relu_ctx), env, eqn.outvars[0], relu)
             continue
         chain = fused.chains.get(i)
         if chain is not None and _fuses(ctx, chain, jaxpr.eqns, env):

@@ -63,6 +63,18 @@ def test_a_relu_before_a_max_pool_runs_after_it_with_the_same_values_and_gradien
     assert [e.invars[0].aval.dtype for e in pooled] == [F32]
 
 
+def test_the_backward_pass_keeps_the_pools_operand_and_a_pooled_mask_only():
+    """JAX keeps the ReLU's output, a full-size mask and its zeros; autocast the pool's
+    operand and the mask of the pooled values (their zeros made again, not kept)."""
+    x = jax.random.normal(jax.random.key(0), (2, 17, 17, 3))
+    f = mpjax.autocast(
+        lambda x: nn.max_pool(nn.relu(2 * x), (3, 3), (2, 2), padding="SAME"), dtype=BF16
+    )
+    _, backward = jax.vjp(f, x)
+    kept = sorted((leaf.shape, str(leaf.dtype)) for leaf in jax.tree.leaves(backward))
+    assert [k for k in kept if k[0]] == [((2, 9, 9, 3), "bool"), ((2, 17, 17, 3), "float32")]
+
+
 def _pool_and_keep(r):
     return r, nn.max_pool(r, (3, 3), (2, 2), padding="SAME")
 
