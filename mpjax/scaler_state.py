@@ -110,7 +110,7 @@ class SubtreeFlags(Mapping):
             i = self.names.index(name)
         except ValueError:
             raise KeyError(name) from None
-        return self.flags[i]
+        return self.flags[..., i]  # an ensemble's flags carry its member axes first
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
@@ -135,11 +135,13 @@ def register_serialization() -> None:
     from flax import serialization
 
     def to_state_dict(x: SubtreeFlags) -> dict:
-        return {name: x.flags[i] for i, name in enumerate(x.names)}
+        return {name: x.flags[..., i] for i, name in enumerate(x.names)}
 
     def from_state_dict(target: SubtreeFlags, state: dict) -> SubtreeFlags:
         flags = [np.asarray(state[name], np.bool_) for name in target.names]
-        return SubtreeFlags(target.names, jnp.asarray(np.array(flags, np.bool_).reshape(-1)))
+        if not flags:
+            return target
+        return SubtreeFlags(target.names, jnp.asarray(np.stack(flags, axis=-1)))
 
     serialization.register_serialization_state(
         SubtreeFlags, to_state_dict, from_state_dict, override=True
@@ -287,7 +289,7 @@ def scaler_stats(opt_state: Any) -> dict[str, jax.Array]:
 def _subtree_values(subtrees) -> dict[str, jax.Array]:
     if isinstance(subtrees, SubtreeFlags):
         flags = _value(subtrees.flags)
-        return {name: flags[i] for i, name in enumerate(subtrees.names)}
+        return {name: flags[..., i] for i, name in enumerate(subtrees.names)}
     return {name: _value(flag) for name, flag in dict(subtrees).items()}
 
 

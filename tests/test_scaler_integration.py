@@ -165,6 +165,25 @@ def test_set_scale_on_an_ensemble_state_keeps_a_scale_per_member():
     chex.assert_trees_all_equal(new.growth_tracker, jnp.ones(3, jnp.int32))
 
 
+def test_an_ensemble_state_names_each_members_nonfinite_subtrees_and_round_trips():
+    # Three subtrees, two members: the subtree axis is the last, not the first.
+    tx = grad_scaler(optax.sgd(0.1), init_scale=4.0)
+    members = {"a": jnp.ones((2, 3)), "b": jnp.ones((2, 2)), "c": jnp.ones((2, 1))}
+    grads = {"a": jnp.ones((2, 3)), "b": jnp.ones((2, 2)), "c": jnp.array([[jnp.inf], [1.0]])}
+    _, state = jax.jit(jax.vmap(tx.update))(grads, jax.vmap(tx.init)(members), members)
+    want = {"['a']": [False, False], "['b']": [False, False], "['c']": [True, False]}
+    for name, flags in want.items():
+        chex.assert_trees_all_equal(state.nonfinite_subtrees[name], jnp.array(flags))
+        chex.assert_trees_all_equal(
+            scaler_stats(state)["nonfinite_subtrees"][name], jnp.array(flags)
+        )
+    restored = serialization.from_bytes(state, serialization.to_bytes(state))
+    chex.assert_trees_all_equal(restored, state)
+    chex.assert_trees_all_equal_structs(restored, state)
+    _, again = jax.vmap(tx.update)(grads, restored, members)
+    chex.assert_trees_all_equal(again.skipped_steps, jnp.array([2, 0], jnp.int32))
+
+
 def test_scaled_value_and_grad_with_aux_and_argnums():
     state = grad_scaler(optax.sgd(0.1), init_scale=4.0).init(PARAMS)
 
