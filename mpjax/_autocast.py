@@ -191,6 +191,12 @@ def _check_fun(fun) -> None:
             "autocast(fun, enabled=False)"
         )
         raise TypeError(f"autocast(fun): got the dtype {name} as the function; {fix}.")
+    if inspect.isgeneratorfunction(fun) or inspect.iscoroutinefunction(fun):
+        raise TypeError(
+            f"autocast(fun): fun must return its results, got the generator or coroutine "
+            f"function {getattr(fun, '__qualname__', fun)!r}, whose results would be "
+            "computed after autocast returns. Return a list of the values instead."
+        )
     if not callable(fun):
         raise TypeError(
             f"autocast(fun): fun must be callable, got {type(fun).__name__}. Wrap the "
@@ -339,5 +345,10 @@ def _output(ctx: Context, out, shape):
 
 
 def _is_value(x) -> bool:
-    """Whether `x` is what a JAX program can return (its shape, once traced)."""
-    return _is_array(x) or isinstance(x, (jax.ShapeDtypeStruct, int, float, complex))
+    """Whether `x` is an output of the traced program (its shape, once traced).
+
+    A Python number `fun` returns depends on no traced value: it comes back as
+    the number itself (``2**40`` or ``1e300`` would not survive a float32 or
+    int32 array).
+    """
+    return _is_array(x) or isinstance(x, jax.ShapeDtypeStruct)

@@ -110,15 +110,27 @@ def test_scaler_given_an_optimizer_factory_says_to_call_it(make):
 
 def test_non_array_outputs_come_back_as_returned():
     # As without autocast: a tag or a config beside the loss is handed back.
-    def f(x):
-        return x.sum(), "tag", {"n": 2, "none": None}
+    # Python numbers come back as the numbers themselves, whatever their size.
+    def f(x, n):
+        return x.sum(), "tag", {"n": n + 1, "big": 1e300, "flag": True, "none": None}
 
     x = jnp.ones((2, 3))
-    got, want = mpjax.autocast(f)(x), f(x)
-    assert got[1:] == want[1:]
-    np.testing.assert_array_equal(got[0], want[0])
-    grad = jax.grad(lambda x: mpjax.autocast(f)(x)[0])(x)
+    for n in (2, 2**40):
+        got, want = mpjax.autocast(f)(x, n), f(x, n)
+        assert got[1:] == want[1:]
+        assert {k: type(v) for k, v in got[2].items()} == {k: type(v) for k, v in want[2].items()}
+        np.testing.assert_array_equal(got[0], want[0])
+    grad = jax.grad(lambda x: mpjax.autocast(f)(x, 2)[0])(x)
     np.testing.assert_array_equal(grad, jnp.ones((2, 3)))
+
+
+def test_a_generator_function_is_refused_when_wrapped():
+    # Its body would run after autocast returns, on tracers of a finished trace.
+    def batches(x):
+        yield x @ x.T
+
+    with pytest.raises(TypeError, match="generator or coroutine function.*batches"):
+        mpjax.autocast(batches)
 
 
 def test_array_used_as_a_shape_names_the_users_function_and_carries_the_hint():
