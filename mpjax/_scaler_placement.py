@@ -8,9 +8,12 @@ its own, so the helpers (`get_scale`, `scaled_value_and_grad`...) refuse it.
 from __future__ import annotations
 
 import collections
+import numbers
+from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 _FIX = "Put the whole optimizer inside one scaler: grad_scaler(optax.chain(...))."
@@ -51,8 +54,8 @@ def check_placement(opt_state: Any, target: Any, caller: str) -> None:
     for node in ancestors:  # the wrappers with a message of their own first
         if type(node) in MISPLACED:
             raise ValueError(f"{caller}: {MISPLACED[type(node)]}")
-    for node in ancestors:
-        if type(node) in _CHAINS and len(node) > 1:
+    for node, child in zip(ancestors, [*ancestors[1:], target]):
+        if type(node) in _CHAINS and len(node) > 1 and _chained(node, child):
             raise ValueError(
                 f"{caller}: the grad_scaler is one of {len(node)} transforms of an "
                 f"{_CHAINS[type(node)]}. The others do not take part in its skip: before "
@@ -66,6 +69,18 @@ def check_placement(opt_state: Any, target: Any, caller: str) -> None:
                 f"{type(node).__name__}; the wrapper keeps running on a skipped step. "
                 f"{_FIX}"
             )
+
+
+def _chained(node, child) -> bool:
+    """Whether `node`, a tuple holding `child`, is a chain's state rather than the
+    user's own pair such as ``(params, opt_state)``: beside a transform's state, a
+    chain holds other transforms' states, never a dict of arrays, an array or a number."""
+    others = node.values() if isinstance(node, collections.OrderedDict) else node
+    return not any(
+        isinstance(x, (Mapping, jax.Array, np.ndarray, numbers.Number))
+        for x in others
+        if x is not child
+    )
 
 
 def _is_optax_state(node) -> bool:

@@ -137,6 +137,17 @@ def test_helpers_find_the_state(kind):
     jax.jit(tx.update)(grads, new, PARAMS)
 
 
+def test_helpers_find_the_state_in_the_users_own_tuples():
+    # A (params, opt_state) carry, or (opt_state, step), is not an optax.chain.
+    state = grad_scaler(optax.sgd(0.1), init_scale=2.0**8).init(PARAMS)
+    for carry in ((PARAMS, state), (state, jnp.int32(3)), (state, 3), (PARAMS, (state, 0.5))):
+        assert float(get_scale(carry)) == 2.0**8
+        new = set_scale(carry, 32.0)
+        chex.assert_trees_all_equal_structs(new, carry)
+        assert float(get_scale(new)) == 32.0
+        assert float(scaler_stats(carry)["scale"]) == 2.0**8
+
+
 def test_set_scale_keeps_the_tracker_and_works_under_jit():
     tx = grad_scaler(optax.sgd(0.1), growth_interval=10)
     state = tx.init(PARAMS)
