@@ -170,8 +170,10 @@ def _walk(jaxpr, path: str = "", repeat: int = 1):
                 and jnp.issubdtype(src, jnp.floating)
                 and jnp.issubdtype(dst, jnp.floating)
             )
-        elif name in _MATMULS:
-            n = _matmul_flops(eqn) * repeat
+        elif name in _MATMULS and any(
+            jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in eqn.invars[:2]
+        ):
+            n = _matmul_flops(eqn) * repeat  # integer products are not floating-point work
             flops += n
             if _multiplies_low(eqn.invars[:2], upcast_from):
                 low_flops += n

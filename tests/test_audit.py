@@ -47,6 +47,17 @@ def test_scan_flops_count_every_iteration_and_paths_nest():
     assert report.find("dot_general")[0].path == "scan"
 
 
+def test_integer_products_are_not_counted_as_floating_point_work():
+    def f(w, x, idx):
+        onehot = jax.nn.one_hot(idx, 4, dtype=jnp.int32)
+        return jnp.sum(x @ w) + (onehot.T @ onehot).sum()
+
+    report = mpjax.audit(mpjax.autocast(f), jnp.ones((4, 3)), jnp.ones((2, 4)), jnp.arange(4))
+    assert report.matmul_flops == report.low_precision_flops == 2 * 2 * 4 * 3
+    assert report.low_precision_fraction == 1.0
+    assert len(report.find("dot_general")) == 2  # still listed
+
+
 def test_conv_flops():
     def f(x, k):
         return lax.conv_general_dilated(
