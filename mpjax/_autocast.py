@@ -137,6 +137,7 @@ def autocast(
       dtype('float32')
     """
     low, reduce_low = _check_options(dtype, enabled, policy, reduce_dtype)
+    enabled = bool(enabled)  # a NumPy bool too
     if fun is None:
         return _Decorator(
             functools.partial(
@@ -171,7 +172,7 @@ class _Decorator:
 
 def _check_options(dtype, enabled, policy, reduce_dtype) -> tuple[np.dtype, bool]:
     """Validates autocast's keyword arguments; returns the low dtype and `reduce_low`."""
-    if not isinstance(enabled, bool):
+    if not isinstance(enabled, (bool, np.bool_)):
         raise TypeError(f"autocast(enabled={enabled!r}): enabled must be a Python bool.")
     low = _check_dtype(dtype)
     if policy not in POLICIES:

@@ -49,7 +49,12 @@ def check_scale(scale, dtype: str) -> float:
         return _DEFAULT_SCALE[dtype]
     if isinstance(scale, (bool, np.bool_)):
         raise TypeError(f"diagnose(scale={scale!r}): scale must be a number, not a bool.")
-    if isinstance(scale, (numbers.Real, np.ndarray, jax.Array)) and np.ndim(scale) == 0:
+    if isinstance(scale, (numbers.Real, np.ndarray, jax.Array)):
+        if np.ndim(scale) != 0:
+            raise ValueError(
+                f"diagnose(scale=...): scale must be a scalar, got an array of shape "
+                f"{np.shape(scale)}. Pass one number, or the optimizer state."
+            )
         value = float(scale)
     else:
         try:
@@ -127,7 +132,7 @@ def problem(loss_fn, params, batch, has_aux) -> Problem:
 
 def _loss_of(out, has_aux):
     if has_aux:
-        if not (isinstance(out, tuple) and len(out) == 2):
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):  # as jax.value_and_grad
             got = "an array" if isinstance(out, jax.Array) else type(out).__name__
             raise TypeError(
                 f"diagnose(has_aux=True): loss_fn must return a pair (loss, aux), got {got}."

@@ -203,7 +203,8 @@ def set_scale(opt_state: Any, new_scale: float | jax.Array) -> Any:
       ValueError: if `opt_state` holds no `GradScalerState` or several, or one
         inside a wrapper it cannot work in, or a concrete `new_scale` is not a
         finite number >= 2**-126, or its shape is not the scale's.
-      TypeError: if `new_scale` is neither a number nor an array.
+      TypeError: if `new_scale` is neither a number nor an array, or
+        `opt_state` is a ``flax.nnx.Optimizer`` rather than its ``opt_state``.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -213,6 +214,13 @@ def set_scale(opt_state: Any, new_scale: float | jax.Array) -> Any:
       Array(1024., dtype=float32)
     """
     target = _find_state(opt_state, "set_scale")
+    if any(_is_nnx_optimizer_class(c) for c in type(opt_state).__mro__):
+        # Its copy would be returned and the optimizer itself left as it was.
+        raise TypeError(
+            "set_scale: got a flax.nnx.Optimizer; set_scale returns a new state and "
+            "changes nothing in place. Write optimizer.opt_state = "
+            "mpjax.set_scale(optimizer.opt_state, new_scale)."
+        )
     if isinstance(new_scale, (bool, np.bool_)) or not isinstance(
         new_scale, (numbers.Real, jax.Array, np.ndarray, np.floating)
     ):
@@ -291,6 +299,10 @@ def _subtree_values(subtrees) -> dict[str, jax.Array]:
         flags = _value(subtrees.flags)
         return {name: flags[..., i] for i, name in enumerate(subtrees.names)}
     return {name: _value(flag) for name, flag in dict(subtrees).items()}
+
+
+def _is_nnx_optimizer_class(cls) -> bool:
+    return cls.__name__ == "Optimizer" and cls.__module__.startswith("flax.nnx")
 
 
 def _is_scaler_state(x) -> bool:

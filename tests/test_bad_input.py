@@ -92,6 +92,9 @@ def test_float32_passed_as_the_function_points_to_a_fix_that_works():
     message = str(info.value)
     assert "enabled=False" in message and "dtype=jnp.float32" not in message
     mpjax.autocast(lambda x: x, enabled=False)  # what it advises for float32
+    np.testing.assert_array_equal(
+        mpjax.autocast(jnp.sin, enabled=np.bool_(False))(1.0), jnp.sin(1.0)
+    )
     mpjax.autocast(lambda x: x, dtype=jnp.bfloat16)
 
 

@@ -297,12 +297,19 @@ def test_bad_input():
         mpjax.diagnose(loss_fn, w, x, scale=-1.0)
     with pytest.raises(ValueError, match="grad_scaler"):
         mpjax.diagnose(loss_fn, w, x, scale={"lr": 0.1})
+    with pytest.raises(ValueError, match=r"scale must be a scalar, got an array of shape \(1,\)"):
+        mpjax.diagnose(loss_fn, w, x, scale=jnp.array([8.0]))
     with pytest.raises(ValueError, match="no floating-point arrays"):
         mpjax.diagnose(loss_fn, {"n": jnp.arange(3)}, x)
     with pytest.raises(TypeError, match="has_aux=True"):
         mpjax.diagnose(lambda w, x: (loss_fn(w, x), 0.0), w, x)
     with pytest.raises(TypeError, match=r"pair \(loss, aux\), got an array\. Pass has_aux=False"):
         mpjax.diagnose(loss_fn, w, x, has_aux=True)
+    # A [loss, aux] list is a pair, as for jax.value_and_grad(has_aux=True).
+    listed = mpjax.diagnose(lambda w, x: [loss_fn(w, x), 0.0], w, x, has_aux=True, scale=1.0)
+    assert (
+        listed.runs[0].max_gradient == mpjax.diagnose(loss_fn, w, x, scale=1.0).runs[0].max_gradient
+    )
     with pytest.raises(TypeError, match="scalar loss"):
         mpjax.diagnose(lambda w, x: x @ w, w, x)
     with pytest.raises(TypeError, match="outside jax.jit"):

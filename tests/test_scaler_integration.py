@@ -331,6 +331,9 @@ def test_nnx_optimizer():
     stats = scaler_stats(optimizer.opt_state)
     assert bool(stats["last_step_skipped"]) and float(stats["scale"]) == 2.0**9
 
+    with pytest.raises(TypeError, match=r"optimizer.opt_state = mpjax.set_scale\(optimizer"):
+        set_scale(optimizer, 8.0)  # torch's scaler.update(8.0) changes it in place; this cannot
+    assert float(get_scale(optimizer)) == 2.0**9
     optimizer.opt_state = set_scale(optimizer.opt_state, 8.0)
     assert float(get_scale(optimizer.opt_state)) == 8.0
     train_step(model, optimizer, x, y)
