@@ -125,18 +125,21 @@ def check_accumulation(fn: str, accumulation_steps, accumulation) -> tuple[int, 
     )
 
 
-def check_no_float16(params) -> None:
-    """Refuses float16 parameters, as torch refuses to unscale float16 gradients.
+def check_no_float16(params, inner, inner_state) -> None:
+    """Refuses float16 parameters that `inner` updates, as torch refuses to unscale
+    float16 gradients (a frozen float16 parameter, with no gradient, is fine there).
 
     An optimizer's small constants underflow in float16 (adam's eps=1e-8 is 0), so
-    its updates are not finite and every step would be skipped.
+    its updates are not finite and every step would be skipped. A parameter is
+    frozen when its update depends on no input of ``inner.update`` (the constant
+    zeros of ``optax.set_to_zero`` in an ``optax.multi_transform``).
     """
-    flat, _ = jax.tree_util.tree_flatten_with_path(params)
-    paths = [
-        jax.tree_util.keystr(path) or "<root>"
-        for path, leaf in flat
-        if jnp.result_type(leaf) == jnp.float16
-    ]
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    half = [i for i, (_, leaf) in enumerate(flat) if jnp.result_type(leaf) == jnp.float16]
+    if not half:
+        return
+    moved = _moved_leaves(params, inner, inner_state, treedef)
+    paths = [jax.tree_util.keystr(flat[i][0]) or "<root>" for i in half if moved[i]]
     if paths:
         shown = ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
         raise ValueError(
@@ -145,8 +148,29 @@ def check_no_float16(params) -> None:
             "cast them to float16 for the matrix products: an optimizer's small "
             "constants (adam's eps) underflow in float16, its updates are not finite, "
             "and every step would be skipped. (torch refuses the same: 'Attempting "
-            "to unscale FP16 gradients'.)"
+            "to unscale FP16 gradients'.) Frozen float16 parameters are accepted: "
+            "give them optax.set_to_zero() in an optax.multi_transform."
         )
+
+
+def _moved_leaves(params, inner, inner_state, treedef) -> list[bool]:
+    """For each parameter leaf, whether its update depends on the inputs of
+    ``inner.update`` (gradients, state, parameters); all True if unknown."""
+    unknown = [True] * treedef.num_leaves
+    try:
+        closed = jax.make_jaxpr(lambda g, s, p: inner.update(g, s, p)[0])(
+            params, inner_state, params
+        )
+    except Exception:  # an optimizer that needs more than (grads, state, params)
+        return unknown
+    jaxpr = closed.jaxpr
+    if len(jaxpr.outvars) != len(unknown):  # updates not shaped as the parameters
+        return unknown
+    live = set(jaxpr.invars)
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, _compat.Literal) and v in live for v in eqn.invars):
+            live.update(eqn.outvars)
+    return [not isinstance(v, _compat.Literal) and v in live for v in jaxpr.outvars]
 
 
 def check_static_scale(scale) -> float:

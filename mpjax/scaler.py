@@ -149,7 +149,7 @@ def grad_scaler(
       `GradScalerState`; extra keyword arguments of ``update`` go to ``inner``.
 
     Raises:
-      ValueError: if an argument is out of its valid range; ``init``: on float16 parameters.
+      ValueError: if an argument is out of its valid range; ``init``: on trained float16 params.
       TypeError: if `inner` is not an optax transformation.
 
     Examples:
@@ -277,8 +277,9 @@ def _loss_scaler(inner, config: ScalerConfig) -> optax.GradientTransformationExt
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
+        inner_state = inner.init(params)
         if config.enabled:
-            check_no_float16(params)
+            check_no_float16(params, inner, inner_state)
         if config.accumulation_steps > 1:
             accumulator = jax.tree.map(
                 lambda p: jnp.zeros(jnp.shape(p), _scaler_update.accumulator_dtype(p)), params
@@ -292,7 +293,7 @@ def _loss_scaler(inner, config: ScalerConfig) -> optax.GradientTransformationExt
             last_step_skipped=jnp.zeros([], jnp.bool_),
             micro_step=jnp.zeros([], jnp.int32),
             grad_accumulator=accumulator,
-            inner_state=inner.init(params),
+            inner_state=inner_state,
             nonfinite_subtrees=_scaler_update.no_subtree_flags(params),
         )
 

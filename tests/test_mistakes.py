@@ -6,7 +6,7 @@ correctly or stops at the first step with an error that names the fix.
 | gradients from ``jax.grad``, ``jax.value_and_grad``, ``nnx.grad``, ``nnx.value_and_grad`` handed to the scaler | trains as with ``scaled_value_and_grad`` (the scaler takes the loss's own gradients) |
 | ``autocast(jax.value_and_grad(f))`` handed to the scaler | trains correctly |
 | a PyTorch loop ported literally: ``loss / k`` with ``accumulation_steps=k`` | ``accumulation="sum"`` gives the mean gradient; leaving ``accumulation`` out is a ValueError naming both choices |
-| float16 parameters given to ``grad_scaler`` | ValueError at ``init`` naming the leaves and the fix |
+| float16 parameters given to ``grad_scaler`` that the optimizer updates | ValueError at ``init`` naming the leaves and the fix (frozen ones, ``optax.set_to_zero``, are accepted) |
 | ``scaled_value_and_grad(jax.grad(f))`` | ValueError: looks like a gradient function, pass the loss |
 | ``scaled_value_and_grad(f, value_and_grad=jax.grad)`` (or ``nnx.grad``) | TypeError: value_and_grad must be a value-and-gradient transform |
 | a ``(loss, aux)`` loss without ``has_aux=True`` | ValueError naming ``has_aux=True`` |
@@ -178,6 +178,36 @@ def test_float16_parameters_are_refused_at_init():
     mpjax.grad_scaler(optax.adam(1e-3)).init(jax.tree.map(lambda p: p.astype(jnp.bfloat16), params))
 
 
+def test_frozen_float16_parameters_are_accepted_and_stay_frozen():
+    # torch refuses float16 gradients only: a frozen float16 backbone trains there.
+    params = {"backbone": jnp.ones((4, 4), jnp.float16), "head": jnp.ones((4, 2))}
+    frozen = {"backbone": "frozen", "head": "train"}
+    inner = optax.multi_transform(
+        {"train": optax.adam(1e-3), "frozen": optax.set_to_zero()}, frozen
+    )
+    tx = mpjax.grad_scaler(inner, init_scale=8.0)
+    state = jax.jit(tx.init)(params)
+
+    def loss_fn(p, x):
+        return jnp.sum((x @ p["backbone"]).astype(jnp.float32) @ p["head"])
+
+    x = jnp.ones((2, 4), jnp.float16)
+    history = [params]
+    for x in (x, x.at[0, 0].set(jnp.inf)):
+        _, grads = mpjax.scaled_value_and_grad(loss_fn, state)(history[-1], x)
+        updates, state = jax.jit(tx.update)(grads, state, history[-1])
+        history.append(optax.apply_updates(history[-1], updates))
+        chex.assert_trees_all_equal(history[-1]["backbone"], params["backbone"])
+    # The finite step moved the head; the second, with an inf, was skipped.
+    assert not np.array_equal(history[1]["head"], params["head"])
+    chex.assert_trees_all_equal(history[2], history[1])
+    assert int(state.skipped_steps) == 1 and float(state.scale) == 4.0
+    # A float16 parameter whose update passes the gradient through is not frozen.
+    masked = optax.masked(optax.adam(1e-3), {"backbone": False, "head": True})
+    with pytest.raises(ValueError, match=r"\['backbone'\] are float16.*optax.set_to_zero"):
+        mpjax.grad_scaler(masked).init(params)
+
+
 def test_inner_non_finite_updates_neither_grow_nor_back_off_the_scale():
     # adam with eps=0 on zero gradients: 0/0 updates from finite gradients, which
     # check_updates=True skips.
@@ -213,8 +243,11 @@ def test_scaled_value_and_grad_names_the_fix(fun, kwargs, match):
 @pytest.mark.parametrize("grad", [jax.grad, nnx.grad], ids=["jax.grad", "nnx.grad"])
 def test_a_gradient_transform_as_value_and_grad_names_the_fix(grad):
     state = mpjax.grad_scaler(optax.sgd(0.1)).init(_params())
-    with pytest.raises(TypeError, match=r"value_and_grad=grad\): value_and_grad must be a "
-                       r"value-and-gradient transform, as jax\.value_and_grad"):
+    with pytest.raises(
+        TypeError,
+        match=r"value_and_grad=grad\): value_and_grad must be a "
+        r"value-and-gradient transform, as jax\.value_and_grad",
+    ):
         mpjax.scaled_value_and_grad(loss_fn, state, value_and_grad=grad)(_params(), X, Y)
 
 
