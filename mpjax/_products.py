@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -288,15 +289,22 @@ def runs_as_written(eqn, vals) -> bool:
     never cast, so a product with such an operand runs in float64 or complex
     whatever autocast does: rounding its float32 operand to 16 bits would only
     lose precision (and a complex x 16-bit product with a float32 result would
-    drop the imaginary part). And a
+    drop the imaginary part). A product of a float8 value was given its
+    precision by the user (float8 x float8 into float32, often of two float8
+    kinds that have no common type), and runs as written too. And a
     product given ``precision=HIGHEST`` or a dot algorithm was told how precise
     to be by the user, unless `jax.default_matmul_precision` (which writes its
     precision into every product) told all of them, as torch's autocast
     overrides ``allow_tf32``."""
     precision = eqn.params.get("precision")
     given = precision if isinstance(precision, tuple) else (precision,)
-    wide = any(dtype_of(x) == np.float64 or np.dtype(dtype_of(x)).kind == "c" for x in vals)
-    return wide or any(map(_asks_precision, given))
+    kept = any(_kept_float(dtype_of(x)) or np.dtype(dtype_of(x)).kind == "c" for x in vals)
+    return kept or any(map(_asks_precision, given))
+
+
+def _kept_float(dtype) -> bool:
+    """float64, float8 and other floats autocast never casts."""
+    return jnp.issubdtype(dtype, jnp.floating) and not policy.is_castable(dtype)
 
 
 def _asks_precision(p) -> bool:

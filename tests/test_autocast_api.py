@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 import mpjax
 from conftest import BF16, F16, F32, all_eqns, rel_tol, value_dtypes
@@ -165,6 +166,26 @@ def test_float64_is_never_touched():
         eqns = list(all_eqns(jax.make_jaxpr(mpjax.autocast(f))(x)))
         assert all(v.aval.dtype == np.float64 for e in eqns for v in e.outvars)
         assert not [e for e in eqns if e.primitive.name == "convert_element_type"]
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_float8_products_run_as_written(dtype):
+    # A float8 product's precision was chosen by the user: e4m3 x e5m2 into float32
+    # (the two kinds have no common type), and float8 x float32.
+    e4m3 = jnp.arange(8.0).reshape(2, 4).astype(jnp.float8_e4m3fn)
+    e5m2 = jnp.linspace(-2.0, 2.0, 12).reshape(4, 3).astype(jnp.float8_e5m2)
+    w = jnp.linspace(0.1, 1.3, 12).reshape(4, 3)
+    dims = (((1,), (0,)), ((), ()))
+
+    def f(a, b, w):
+        scaled = lax.dot_general(a, b, dims, preferred_element_type=jnp.float32) * 0.5
+        return scaled, lax.dot_general(a, w, dims, preferred_element_type=jnp.float32)
+
+    args = (e4m3, e5m2, w)
+    got, want = mpjax.autocast(f, dtype=dtype)(*args), f(*args)
+    chex.assert_trees_all_equal(got, want)
+    eqns = list(all_eqns(jax.make_jaxpr(mpjax.autocast(f, dtype=dtype))(*args)))
+    assert not [e for e in eqns if e.primitive.name == "convert_element_type"]
 
 
 # --- nested regions ---------------------------------------------------------------
