@@ -210,7 +210,12 @@ def policy_markdown() -> str:
         out.append("| primitive | default rule | lean rule |\n|---|---|---|")
         for prim, rule in overrides.items():
             out.append(f"| `{prim}` | `Rule.{policy.rule_for(prim).name}` | `Rule.{rule.name}` |")
-        out.append("")
+        out.append(
+            "\nA gather of single elements keeps the default rule under `lean` too: "
+            "`x[i]` of a vector, `jnp.searchsorted`, `jnp.interp`, `jnp.median` and "
+            "`take_along_axis` look up values to compare or return, and rounded they "
+            "would fall in other bins. Rows (an embedding lookup) are rounded.\n"
+        )
 
     out.append("## Higher-order primitives\n")
     out.append(

@@ -14,6 +14,7 @@ into them (see ``mpjax/control_flow.py``).
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -243,6 +244,10 @@ def equation_rule(eqn, lean: bool = False) -> Rule:
     a = eqn.invars
     if eqn.primitive.name == "mul" and a[0] is a[1] and not isinstance(a[0], _compat.Literal):
         return rule_for("square", lean=lean)
+    if eqn.primitive.name == "gather" and math.prod(eqn.params["slice_sizes"]) == 1:
+        # Single elements (jnp.searchsorted, jnp.interp, quantiles, x[i] of a
+        # vector), not an embedding's rows: rounded, they fall in other bins.
+        return rule_for("gather")
     return rule_for(eqn.primitive.name, lean=lean)
 
 

@@ -7,7 +7,16 @@ import numpy as np
 import pytest
 
 import mpjax
-from conftest import F32, all_eqns, assert_obeys_policy, product_ok, rel_tol, value_dtypes
+from conftest import (
+    BF16,
+    F16,
+    F32,
+    all_eqns,
+    assert_obeys_policy,
+    product_ok,
+    rel_tol,
+    value_dtypes,
+)
 from models import model_cases
 
 CASES = model_cases()
@@ -111,6 +120,22 @@ def test_both_policies_keep_fewer_residual_bytes():
     # the lean policy also rounds the attention probabilities and norms.
     assert torch_style <= 0.6 * f32, (torch_style, f32)
     assert lean <= 0.6 * f32, (lean, f32)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_lean_policy_looks_up_single_elements_exactly(dtype):
+    # Only an embedding's rows are rounded: an element looked up by a binary search,
+    # an interpolation, a quantile or x[i] is compared or returned as it is.
+    edges = jnp.linspace(1.0, 1.001, 50)
+    table = jnp.array([1.0, 3001.0, 1e5, 1e-6])
+    cases = [
+        (lambda e, q: jnp.searchsorted(e, q), (edges, jnp.array([1.0003, 1.0007]))),
+        (lambda x: jnp.median(x, axis=1), (jnp.array([[1.0003, 1.0007, 1.0001]]),)),
+        (lambda xp, x: jnp.interp(x, xp, xp**2), (edges, jnp.array([1.00031, 1.00077]))),
+        (lambda t, i: t[i], (table, jnp.arange(4))),
+    ]
+    for f, args in cases:
+        chex.assert_trees_all_equal(mpjax.autocast(f, dtype=dtype, policy="lean")(*args), f(*args))
 
 
 def test_lean_policy_details():
