@@ -11,6 +11,8 @@ since: a function that reads arrays from outside its arguments (a model object
 called as the function, a global array) is traced at every call, since a trained
 parameter would otherwise come back with its old value; so is a call with a static
 leaf that could be mutated in place (an object, rather than a number or string).
+Scalars read from outside (a global Python number, a NumPy scalar or 0-d array)
+are literals of the jaxpr, not constants: fixed at the first trace, as under jit.
 Calls inside another trace are never cached, since values closed over from that
 trace would be baked into the jaxpr's constants.
 """
