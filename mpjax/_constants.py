@@ -38,6 +38,20 @@ def values(scope, x):
     return scope.constant_values(x)
 
 
+def starts_a_sum(scope, eqn, x) -> bool:
+    """Whether `x`, a constant, is a float32 array of zeros, of the result's shape,
+    added to a value: the start of a sum (``acc = jnp.zeros(...)``, then ``acc = acc
+    + x @ w``). It widens the add, as a float32 tensor does in torch, so the sum
+    runs in float32. (A Python ``0.0`` is weakly typed and widens nothing, in JAX
+    either; nor does a 0-d float32 zero in torch.)"""
+    if eqn.primitive.name != "add" or scope is None or jax.typeof(x).weak_type:
+        return False
+    if jnp.shape(x) != eqn.outvars[0].aval.shape:
+        return False
+    known = values(scope, x)
+    return known is not None and dtype_of(x) == np.float32 and not np.any(known)
+
+
 def propagate(scope, eqn, vals, outs, first_order: bool) -> None:
     """Records, in `scope`, what is known of the outputs `outs` of `eqn`, an
     equation on weak inputs `vals`: all of them exactly, or its floating ones'

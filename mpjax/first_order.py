@@ -36,7 +36,9 @@ def _targets(rule: Rule, eqn, vals, weak, low, lean=False, scope=None) -> list:
         return [F32 if c else None for c in castable]
     if rule is Rule.WIDEST:
         strong = [
-            (d, size(x)) for x, d, c, w in zip(vals, dtypes, castable, weak) if c and not w
+            (d, size(x))
+            for x, d, c, w in zip(vals, dtypes, castable, weak)
+            if c and (not w or _constants.starts_a_sum(scope, eqn, x))
         ]
         if lean and strong:
             # The largest operand (the activation) sets the precision: a float32

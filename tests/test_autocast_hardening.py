@@ -2,6 +2,8 @@
 explicit accumulation dtypes, Flax NNX's functional API, repeated eager calls,
 deeply nested loops, custom_vmap."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -110,6 +112,37 @@ def test_constants_the_low_dtype_cannot_hold_are_computed_as_written(low, name):
     got, want = jax.jit(mpjax.autocast(f, dtype=low))(x, w), f(x, w)
     assert np.all(np.isfinite(want)) and np.all(np.isfinite(got))
     np.testing.assert_allclose(got, want, rtol=4 * rel_tol(low))
+
+
+def test_a_sum_started_from_float32_zeros_runs_in_float32(low):
+    # acc = jnp.zeros(...), then acc + x @ w in a Python loop: the zeros are float32,
+    # so the sum is, as in torch (and as a lax.fori_loop's float32 carry is).
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    ws = jax.random.normal(jax.random.key(1), (64, 8, 8)) * 0.3 + 0.2
+
+    def unrolled(x, ws, start):
+        acc = start(x)
+        for i in range(64):
+            acc = acc + x @ ws[i]
+        return acc
+
+    def looped(x, ws):
+        return jax.lax.fori_loop(0, 64, lambda i, a: a + x @ ws[i], jnp.zeros((4, 8)))
+
+    want = unrolled(x, ws, jnp.zeros_like)
+    run = lambda f: jax.jit(mpjax.autocast(f, dtype=low))(x, ws)
+    loop_error = np.max(np.abs(run(looped) - want))
+    for start in (lambda x: jnp.zeros((4, 8)), jnp.zeros_like):
+        f = functools.partial(unrolled, start=start)
+        assert np.max(np.abs(run(f) - want)) <= 1.1 * loop_error
+        adds = [e for e in all_eqns(jax.make_jaxpr(mpjax.autocast(f, dtype=low))(x, ws))]
+        adds = [e for e in adds if e.primitive.name == "add" and e.outvars[0].aval.ndim == 2]
+        assert len(adds) == 64 and all(e.outvars[0].aval.dtype == F32 for e in adds)
+    # A Python 0.0 is weakly typed: it starts nothing and widens no add.
+    f = lambda x, w: (x @ w[0] + 0.0) @ w[1]
+    eqns = all_eqns(jax.make_jaxpr(mpjax.autocast(f, dtype=low))(x, ws))
+    (add,) = [e for e in eqns if e.primitive.name == "add"]
+    assert add.outvars[0].aval.dtype == low
 
 
 # --- an explicit preferred_element_type is kept ------------------------------------
