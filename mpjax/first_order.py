@@ -337,20 +337,23 @@ def _broadcast_in_float32(ctx, eqn, vals, targets, weak):
 def _float32_inside(ctx, eqn, vals, low):
     """Lean policy: a float32-list primitive on low-precision inputs.
 
-    It computes in float32 and hands `low` on, unless every reader is a
-    float32-list primitive too (``log1p(exp(x))`` stays float32 throughout). An
-    elementwise primitive is rematerialized, so its backward pass keeps only the
-    low-precision input, not float32 copies: the residuals of the hand-cast model.
-    A reduction's output is smaller than its input, so it stays float32.
+    It computes in float32 and hands `low` on, unless every reader is a float32-list
+    primitive too (``log1p(exp(x))`` stays float32 throughout). An elementwise
+    primitive is rematerialized, so its backward pass keeps only the low-precision
+    input, not float32 copies: the residuals of the hand-cast model. A reduction's
+    output is smaller than its input, so it stays float32.
     """
     in_size = _largest([size(x) for x in vals])
     reduces = all(fewer(size(v.aval), in_size) for v in eqn.outvars)
     keep_f32 = reduces or all(v in ctx.float32_only for v in eqn.outvars)
 
+    # A 16-bit result of the program (user's float16 in a bfloat16 region) stays so.
+    hand_on = [v.aval.dtype if v.aval.dtype in policy.LOW_DTYPES else low for v in eqn.outvars]
+
     def compute(*xs):
         xs = [convert(x, F32, False) if dtype_of(x) in policy.LOW_DTYPES else x for x in xs]
         outs = _compat.bind(eqn, *xs)
-        return outs if keep_f32 else [convert(o, low, False) for o in outs]
+        return outs if keep_f32 else [convert(o, d, False) for o, d in zip(outs, hand_on)]
 
     if reduces:  # linear: nothing float32 is kept for the backward pass anyway
         return compute(*vals)
@@ -392,7 +395,6 @@ def float32_only_consumers(jaxpr) -> frozenset:
         for v in eqn.invars:
             if not isinstance(v, _compat.Literal):
                 readers.setdefault(v, set()).add(rule)
-    for v in jaxpr.outvars:
-        if not isinstance(v, _compat.Literal):
-            readers.setdefault(v, set()).add(None)
+    for v in (v for v in jaxpr.outvars if not isinstance(v, _compat.Literal)):
+        readers.setdefault(v, set()).add(None)
     return frozenset(v for v, rules in readers.items() if rules == {Rule.FLOAT32})

@@ -138,6 +138,15 @@ def test_lean_policy_looks_up_single_elements_exactly(dtype):
         chex.assert_trees_all_equal(mpjax.autocast(f, dtype=dtype, policy="lean")(*args), f(*args))
 
 
+def test_lean_policy_keeps_the_users_float16_data_out_of_bfloat16():
+    # A float32-list operation on float16 data in a bfloat16 region computes in
+    # float32 and hands on float16, the program's own dtype: no bfloat16 rounding.
+    a = jnp.array([1.0009765625, 3.0009765625, 0.1, -2.5], jnp.float16)
+    for f in (jnp.exp, jnp.cumsum, jnp.log1p, jax.nn.softplus):
+        got = mpjax.autocast(f, dtype=BF16, policy="lean")(a)
+        chex.assert_trees_all_equal(got, f(a.astype(F32)).astype(jnp.float16))
+
+
 def test_lean_policy_details():
     _, loss, params, (tokens,) = CASES[2]
     eqns = list(all_eqns(jax.make_jaxpr(mpjax.autocast(loss, policy="lean"))(params, tokens)))
