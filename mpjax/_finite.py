@@ -33,7 +33,9 @@ def nonfinite(x) -> jax.Array:
     Not a max over the values themselves: XLA:CPU's max of 4096 or more
     floats drops a NaN (jax 0.10 to 0.12), so a NaN leaf would pass.
     """
-    return jnp.max(jnp.ravel(~jnp.isfinite(x)).astype(jnp.uint8), initial=0) > 0
+    # Over every axis, not a ravel: a leaf sharded along any axis is reduced where
+    # it lies, and its flags meet in one scalar all-reduce.
+    return jnp.max((~jnp.isfinite(x)).astype(jnp.uint8), initial=0) > 0
 
 
 def leaf_flags(leaves: Sequence) -> tuple[jax.Array, list[int], jax.Array]:
@@ -48,15 +50,15 @@ def leaf_flags(leaves: Sequence) -> tuple[jax.Array, list[int], jax.Array]:
     small = collections.defaultdict(list)
     large = []
     for i, x in enumerate(leaves):
-        (large if jnp.size(x) >= LARGE else small[jnp.size(x), jnp.result_type(x)]).append(i)
+        (large if jnp.size(x) >= LARGE else small[_stack_key(x)]).append(i)
     parts, order = [], []
     for idx in small.values():
         for start in range(0, len(idx), _STACK):
             chunk = idx[start : start + _STACK]
             # The values are stacked, not their flags: XLA then checks them in
             # one kernel; stacked flags made a kernel per leaf.
-            rows = jnp.stack([jnp.ravel(leaves[i]) for i in chunk])
-            parts.append(jnp.any(~jnp.isfinite(rows), axis=1))
+            rows = jnp.stack([leaves[i] for i in chunk])
+            parts.append(jnp.any(~jnp.isfinite(rows), axis=tuple(range(1, rows.ndim))))
             order += chunk
     parts += [nonfinite(leaves[i])[None] for i in large]
     order += large
@@ -70,6 +72,12 @@ def leaf_flags(leaves: Sequence) -> tuple[jax.Array, list[int], jax.Array]:
     # reads the result (every select of the step): a program quadratic in the
     # number of leaves. A float32 max it leaves a reduction.
     return flags, order, jnp.max(flags.astype(jnp.float32)) > 0
+
+
+def _stack_key(x) -> tuple:
+    """Leaves stacked together: of one shape, dtype and sharding, so that a stack
+    of tensor-parallel leaves moves nothing between devices (a ravel would)."""
+    return jnp.shape(x), jnp.result_type(x), getattr(jax.typeof(x), "sharding", None)
 
 
 def segment_any(flags: jax.Array, segments: Sequence[int], num_segments: int) -> jax.Array:

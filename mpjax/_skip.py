@@ -54,7 +54,7 @@ def update_selected(inner, drop, grads, state, params, extra):
         env[var] = value
         indices = leaves_of.get(var, ())
         for i in indices:
-            kept[i] = lax.select_n(drop, value, old[i])
+            kept[i] = lax.select_n(drop, value, _sharded_as(old[i], value))
         if indices:
             env[var] = kept[indices[0]]  # what comes after reads the selected value
 
@@ -73,7 +73,9 @@ def update_selected(inner, drop, grads, state, params, extra):
     flat = [_read(env, v) for v in jaxpr.outvars]
     for i, value in enumerate(flat[n_updates:]):
         # Not selected where computed: a constant, or a leaf inner retyped.
-        flat[n_updates + i] = kept[i] if i in kept else jnp.where(drop, old[i], value)
+        flat[n_updates + i] = (
+            kept[i] if i in kept else jnp.where(drop, _sharded_as(old[i], value), value)
+        )
     return jax.tree.unflatten(jax.tree.structure(out_shape), flat)
 
 
@@ -85,11 +87,25 @@ def select(pred: jax.Array, on_true, on_false):
     """
 
     def one(t, f):
+        f = _sharded_as(f, t)
         if jnp.result_type(t) != jnp.result_type(f) or jnp.shape(t) != jnp.shape(f):
             return jnp.where(pred, t, f)  # rare: an inner that retypes its state
         return lax.select_n(pred, f, t)  # a scalar predicate needs no broadcast
 
     return jax.tree.map(one, on_true, on_false)
+
+
+def _sharded_as(old, new):
+    """`old` with `new`'s sharding where the mesh's axes are explicit and the two
+    differ, as a selection between them needs: a state made eagerly (optax's
+    ``zeros_like`` replicates it) whose update comes out sharded as the gradients,
+    as it does without the scaler."""
+    was, now = (getattr(jax.typeof(x), "sharding", None) for x in (old, new))
+    if was is None or now is None or was.spec == now.spec or jnp.shape(old) != jnp.shape(new):
+        return old
+    if jax.sharding.AxisType.Explicit not in getattr(now.mesh, "axis_types", ()):
+        return old
+    return jax.sharding.reshard(old, now)
 
 
 def _check_structure(new, state) -> None:

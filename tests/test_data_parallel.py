@@ -288,3 +288,65 @@ def test_autocast_keeps_input_shardings():
     out = jax.jit(mpjax.autocast(lambda p, x: jnp.tanh(x @ p["w1"])))(params, xs)
     assert out.dtype == jnp.float32
     assert out.sharding.spec == P("data") or out.sharding.spec[0] == "data"
+
+
+# --- tensor parallelism: leaves sharded along any axis ------------------------------
+
+_TP_SPECS = {
+    "w1": ((16, 32), P(None, "model")),  # column-parallel
+    "w2": ((32, 16), P("model", None)),  # row-parallel, of w1's size
+    "b1": ((32,), P("model")),
+    "scale": ((32,), P()),  # replicated, of b1's size
+    "big": ((256, 512), P("data", "model")),  # checked by a reduction of its own
+}
+
+
+def _tp_tree(mesh):
+    shardings = {k: NamedSharding(mesh, spec) for k, (_, spec) in _TP_SPECS.items()}
+    params = {k: jnp.full(shape, 0.5) for k, (shape, _) in _TP_SPECS.items()}
+    return jax.device_put(params, shardings), shardings
+
+
+def _collectives(hlo: str) -> list[str]:
+    return re.findall(r"= (\([^)]*\)|\S+) (all-gather|all-to-all|all-reduce)(?:-start)?\(", hlo)
+
+
+def test_the_finite_check_of_tensor_parallel_gradients_reads_them_where_they_lie():
+    # Each device checks its own shards: the flags meet in small all-reduces, and no
+    # gradient (nor its isfinite mask) is gathered or moved between devices.
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    params, shardings = _tp_tree(mesh)
+    tx = mpjax.grad_scaler(optax.adam(1e-3), init_scale=4.0)
+    state = tx.init(params)
+    step = jax.jit(tx.update, in_shardings=(shardings, None, shardings))
+    found = _collectives(step.lower(params, state, params).compile().as_text())
+    assert found and all(kind == "all-reduce" for _, kind in found), found
+    sizes = [
+        np.prod([int(d) for d in dims.split(",") if d])
+        for dims in re.findall(r"\[([\d,]*)\]", "".join(s for s, _ in found))
+    ]
+    assert max(sizes) <= 8, found  # flags, not gradients
+    grads = jax.tree.map(lambda p: p * 0.1, params)
+    updates, new = step(grads, state, params)
+    chex.assert_trees_all_equal(updates, optax.adam(1e-3).update(grads, state.inner_state)[0])
+    bad = {**grads, "w2": grads["w2"].at[3, 5].set(jnp.inf)}
+    updates, skipped = step(bad, state, params)
+    assert int(skipped.skipped_steps) == 1 and float(skipped.scale) == 2.0
+    chex.assert_trees_all_equal(skipped.inner_state, state.inner_state)
+
+
+def test_the_scaler_updates_tensor_parallel_parameters_under_explicit_sharding():
+    mesh = jax.make_mesh(
+        (2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
+    )
+    with jax.set_mesh(mesh):
+        params, _ = _tp_tree(mesh)
+        grads = jax.tree.map(lambda p: p * 0.1, params)
+        tx = mpjax.grad_scaler(optax.adam(1e-3))
+        updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+        want, _ = jax.jit(optax.adam(1e-3).update)(grads, optax.adam(1e-3).init(params))
+        chex.assert_trees_all_equal(updates, want)
+        assert {k: u.sharding.spec for k, u in updates.items()} == {
+            k: w.sharding.spec for k, w in want.items()
+        }
+        assert int(state.skipped_steps) == 0
