@@ -58,3 +58,12 @@ def convert(x, dtype: np.dtype, saturate: bool):
     if numpy_value:
         return np.asarray(x).astype(dtype)
     return _compat.convert_element_type(x, dtype)
+
+
+def explicit_sharding(aval):
+    """`aval`'s sharding where its mesh has explicit axes (a broadcast made by a rule
+    must then say it, or it is replicated), else None."""
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    explicit = jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
+    return sharding if explicit else None

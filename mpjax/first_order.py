@@ -13,6 +13,8 @@ interpreter (which imports it), so it reads the context without importing its ty
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +24,7 @@ from mpjax import _constants
 from mpjax import _products
 from mpjax import fusions
 from mpjax import policy
-from mpjax._casting import F32, convert, dtype_of, fewer, is_concrete, size
+from mpjax._casting import F32, convert, dtype_of, explicit_sharding, fewer, is_concrete, size
 from mpjax.policy import Rule
 
 
@@ -288,19 +290,19 @@ def _is_low(dtype) -> bool:
 
 
 def _broadcast_in_float32(ctx, eqn, vals, targets, weak):
-    """An elementwise primitive whose 16-bit operand it would broadcast
-    implicitly: that operand is broadcast explicitly, with its tangent broadcast
-    at float32 (`_float32_tangent`), and the primitive bound. None if there is none.
+    """An elementwise primitive whose 16-bit operand it would broadcast implicitly:
+    that operand is broadcast explicitly (sharded as the result), with its tangent
+    broadcast at float32 (`_float32_tangent`), and the primitive bound. None if none.
 
-    The transpose of an implicit broadcast sums the cotangent in the operand's
-    dtype; that of a broadcast of a float32 tangent sums in float32. A float32
-    value that the policy rounds (a bias, lean policy) is rounded while small,
-    and its gradient stays float32. Constants (literals, values computed from
-    literals alone) have no cotangent and are left alone. Unless the primitive
-    is linear (add, sub), it is rematerialized with the broadcast, so that the
-    backward pass keeps its operands, not the broadcast one.
+    The transpose of an implicit broadcast sums the cotangent in the operand's dtype;
+    that of a broadcast of a float32 tangent sums in float32. A float32 value that the
+    policy rounds (a bias, lean policy) is rounded while small, and its gradient stays
+    float32. Constants (literals, values computed from literals alone) have no
+    cotangent and are left alone. Unless the primitive is linear (add, sub), it is
+    rematerialized with the broadcast: the backward pass keeps its operands.
     """
-    shape = eqn.outvars[0].aval.shape
+    shape, sharded = eqn.outvars[0].aval.shape, explicit_sharding(eqn.outvars[0].aval)
+    broadcast = functools.partial(jax.lax.broadcast_in_dim, shape=shape, out_sharding=sharded)
     widen = {}  # operand index -> the 16-bit dtype it is broadcast to
     for i, (x, t, w) in enumerate(zip(vals, targets, weak)):
         runs_in = t if t is not None else dtype_of(x)
@@ -320,10 +322,10 @@ def _broadcast_in_float32(ctx, eqn, vals, targets, weak):
             dims = tuple(range(np.ndim(xs[i])))
 
             def primal(v, low=low, dims=dims):  # rounded, then broadcast
-                return [jax.lax.broadcast_in_dim(convert(v, low, False), shape, dims)]
+                return [broadcast(convert(v, low, False), broadcast_dimensions=dims)]
 
             def tangent(t, low=low, dims=dims):  # broadcast at float32, then rounded
-                t = jax.lax.broadcast_in_dim(convert(t, F32, False), shape, dims)
+                t = broadcast(convert(t, F32, False), broadcast_dimensions=dims)
                 return [convert(t, low, False)]
 
             (xs[i],) = _float32_tangent(primal, tangent)(xs[i])
@@ -385,16 +387,3 @@ def _largest(sizes):
 def _cast_all(ctx, vals, targets, weak) -> list:
     """Each value cast to its target dtype (None: left as it is), through the scope."""
     return [x if t is None else ctx.scope.cast(x, t, w) for x, t, w in zip(vals, targets, weak)]
-
-
-def float32_only_consumers(jaxpr) -> frozenset:
-    """The variables whose every reader is a float32-list primitive."""
-    readers: dict = {}
-    for eqn in jaxpr.eqns:
-        rule = policy.equation_rule(eqn)
-        for v in eqn.invars:
-            if not isinstance(v, _compat.Literal):
-                readers.setdefault(v, set()).add(rule)
-    for v in (v for v in jaxpr.outvars if not isinstance(v, _compat.Literal)):
-        readers.setdefault(v, set()).add(None)
-    return frozenset(v for v, rules in readers.items() if rules == {Rule.FLOAT32})

@@ -32,6 +32,7 @@ from mpjax import _pointwise
 from mpjax import _reorder
 from mpjax import first_order
 from mpjax import fusions
+from mpjax import policy
 from mpjax._casting import convert, dtype_of
 
 _MARKER = "mpjax_autocast_"
@@ -225,7 +226,7 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
     for v, a, w in zip(jaxpr.invars, args, weak, strict=True):
         env[v] = (a, w)
     if ctx.region.lean:
-        ctx = ctx._replace(float32_only=first_order.float32_only_consumers(jaxpr))
+        ctx = ctx._replace(float32_only=policy.float32_only_consumers(jaxpr))
     fused = fusions.find(jaxpr) if jaxpr.eqns else fusions.NONE
     ctx = ctx._replace(
         bias_adds=fused.bias_adds,

@@ -265,3 +265,17 @@ def widest(dtypes: Iterable) -> np.dtype | None:
     for d in dtypes:
         out = np.dtype(d) if out is None else np.dtype(jnp.promote_types(out, d))
     return out
+
+
+def float32_only_consumers(jaxpr) -> frozenset:
+    """The variables whose every reader is a float32-list primitive."""
+    readers: dict = {}
+    for eqn in jaxpr.eqns:
+        rule = equation_rule(eqn)
+        for v in eqn.invars:
+            if not isinstance(v, _compat.Literal):
+                readers.setdefault(v, set()).add(rule)
+    for v in jaxpr.outvars:
+        if not isinstance(v, _compat.Literal):
+            readers.setdefault(v, set()).add(None)
+    return frozenset(v for v, rules in readers.items() if rules == {Rule.FLOAT32})

@@ -350,3 +350,24 @@ def test_the_scaler_updates_tensor_parallel_parameters_under_explicit_sharding()
             k: w.sharding.spec for k, w in want.items()
         }
         assert int(state.skipped_steps) == 0
+
+
+@pytest.mark.parametrize("policy", ["torch", "lean"])
+def test_explicit_sharding_makes_the_collectives_plain_jax_makes(policy):
+    # A bias broadcast by autocast (rounded while small under lean) is sharded as the
+    # result: its cotangent is summed where it lies, not gathered from every device.
+    mesh = jax.make_mesh((N_DEV,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+    def loss(p, x):
+        return jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2)
+
+    with jax.set_mesh(mesh):
+        params = {"w": jnp.full((16, 64), 0.01), "b": jnp.full(64, 0.1)}
+        x = jax.device_put(jnp.ones((64, 16)), P("data", None))
+        plain, cast = (
+            _collectives(jax.jit(jax.grad(f)).lower(params, x).compile().as_text())
+            for f in (loss, mpjax.autocast(loss, policy=policy))
+        )
+        assert cast == plain and [kind for _, kind in plain] == ["all-reduce"]
+        grads = jax.jit(jax.grad(mpjax.autocast(loss, policy=policy)))(params, x)
+        chex.assert_trees_all_close(grads, jax.grad(loss)(params, x), rtol=2e-2, atol=1e-6)
