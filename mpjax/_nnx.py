@@ -96,13 +96,44 @@ def call_with_state(call, fun, args, kwargs):
             out = fun(*a, **k)
             with nnx.split_context(tag) as ctx:
                 new_graphdef, new_state = ctx.split(new_nodes)
-            return out, _Static(new_graphdef), new_state
+            # Unchanged values come back as the very tracers that went in.
+            same = new_graphdef.with_no_outer_index() == graphdef.with_no_outer_index()
+            same = same and _same_leaves(new_state, state)
+            return out, _Static((new_graphdef, same)), new_state
 
         others = [None if i in where else x for i, x in enumerate(leaves)]
-        out, new_graphdef, new_state = call(pure, (state, others))
+        out, static, new_state = call(pure, (state, others))
+        new_graphdef, same = static.value
+        if same:  # nothing to write: a module from outside a transform reads fine
+            return out
+        _check_writable([leaves[i] for i in where])
         with nnx.merge_context(tag, inner=False) as ctx:
-            ctx.merge(new_graphdef.value, new_state)
+            ctx.merge(new_graphdef, new_state)
     return out
+
+
+def _same_leaves(a, b) -> bool:
+    (xs, tx), (ys, ty) = jax.tree.flatten(a), jax.tree.flatten(b)
+    return tx == ty and all(x is y for x, y in zip(xs, ys))
+
+
+def _check_writable(nodes) -> None:
+    """A TypeError, before anything is written, where the call changed a module it
+    cannot write to: one closed over by a JAX transform (``jax.jit(autocast(model))``),
+    whose Variables belong to the trace outside it. A failed merge would leave the
+    module half rebuilt, without its attributes."""
+    from flax import nnx
+
+    for _, node in nnx.graph.iter_graph(nodes):
+        if isinstance(node, nnx.Variable) and not getattr(node, "_can_update", True):
+            raise TypeError(
+                "autocast: the call changed an NNX module (BatchNorm statistics, RNG "
+                "counters, an attribute) that a JAX transform closes over, as in "
+                "jax.jit(autocast(model)) or jax.grad of a function reading `model`, "
+                "so the change cannot be written back. Pass the module through an NNX "
+                "transform (nnx.jit, nnx.grad, nnx.value_and_grad) or as an argument, "
+                "or call model.eval() first if the call should change nothing."
+            )
 
 
 class _Static:

@@ -207,6 +207,37 @@ def test_nnx_graph_changes_are_kept_under_autocast(low, jit):
     assert net.drop.deterministic and net.bn1.use_running_average
 
 
+def _bn_model():
+    return nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), nnx.BatchNorm(8, rngs=nnx.Rngs(0)))
+
+
+def test_nnx_module_closed_over_by_a_jax_transform_is_read_and_left_whole(low):
+    # jax.jit(autocast(model)), or jax.grad of a function reading `model`: in eval
+    # mode nothing is written back, so the call runs as it does without autocast.
+    model, x = _bn_model(), jnp.linspace(-1.0, 1.0, 32).reshape(4, 8)
+    model.eval()
+    before = jax.tree.map(jnp.copy, nnx.state(model))
+    loss = lambda x: jnp.sum(mpjax.autocast(model, dtype=low)(x) ** 2)
+    got = [
+        jax.jit(mpjax.autocast(model, dtype=low))(x),
+        jax.grad(loss)(x),
+        jax.vmap(mpjax.autocast(model, dtype=low))(x[:, None]),
+    ]
+    want = [jax.jit(model)(x), jax.grad(lambda x: jnp.sum(model(x) ** 2))(x), model(x)[:, None]]
+    for g, w in zip(got, want):
+        chex.assert_trees_all_close(g, w, rtol=0.05, atol=0.05)
+    chex.assert_trees_all_equal(nnx.state(model), before)
+    # In train mode the call writes BatchNorm's statistics, which cannot leave the
+    # transform: a clear error, before anything is written.
+    model.train()
+    with pytest.raises(TypeError, match="closes over.*nnx.jit"):
+        jax.jit(mpjax.autocast(model, dtype=low))(x)
+    chex.assert_trees_all_equal(nnx.state(model), before)
+    nnx.jit(mpjax.autocast(lambda m, x: m(x), dtype=low))(model, x)  # passed through: kept
+    moved = jax.tree.leaves(nnx.state(model, nnx.BatchStat))
+    assert not any(map(np.array_equal, moved, jax.tree.leaves(nnx.filter_state(before, nnx.BatchStat))))
+
+
 def test_nnx_module_passed_twice_or_with_its_submodule(low):
     """Self-distillation passes the model as student and teacher; a loss may take a
     model and one of its layers. The module stays shared, as in plain calls."""
