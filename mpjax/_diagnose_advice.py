@@ -98,10 +98,22 @@ def _backward_and_scale(run, layers) -> list[str]:
             )
         out.append(text)
     if run.recommended_scale is None:
+        if run.dtype == "float16" and math.isinf(run.max_gradient):
+            return out + _overflow_at_every_scale(run)
         if run.dtype == "float16":
             return out + _no_gradient(run)
         return out + _underflow_bfloat16(run, layers)
     return out + _scale(run, layers)
+
+
+def _overflow_at_every_scale(run) -> list[str]:
+    where = run.backward.module or run.backward.source if run.backward else "the loss"
+    return [
+        f"float16: the backward pass overflows at scale {run.scale:g} and still at the "
+        "smallest scale float32's gradients allow, so no loss scale avoids it: keep "
+        f"`{where}` in float32 with a nested `mpjax.autocast(fn, enabled=False)`, or use "
+        "bfloat16."
+    ]
 
 
 def _no_gradient(run) -> list[str]:

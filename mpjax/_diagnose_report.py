@@ -115,8 +115,10 @@ class Run:
     (measured again at scale 1 when the backward pass overflowed at `scale`)."""
     recommended_scale: float | None
     """float16: ``2**k``, the largest power of two with
-    ``2**k * max_gradient * HEADROOM <= 65504``; None for bfloat16, and where every
-    16-bit backward value is zero (nothing to derive a scale from)."""
+    ``2**k * max_gradient * HEADROOM <= 65504`` at which a run of the step is finite
+    (checked where it is above `scale`, or `scale` overflowed); None for bfloat16,
+    where every 16-bit backward value is zero (nothing to derive a scale from), and
+    where the step overflows at every scale (`max_gradient` is then inf)."""
     leaves_at_recommended: tuple[LeafGradient, ...] = ()
     """The gradients measured again at `recommended_scale`, when it is above `scale`
     and some gradients underflowed at `scale`."""

@@ -305,15 +305,46 @@ def _scale_figures(program, low, problem, reference, calls):
         if probe is not None:  # (None: float32's backward pass is zero too)
             runs[probe] = program.evaluate(probe, calls, False, reference.nonfinite_at)
             largest = runs[probe].backward_low_max
+            if not _finite(runs[probe]) and probe <= low.scale:
+                return math.inf, None, ()  # it overflows at every scale down to `probe`
     recommended = advice.recommended_scale(largest)
+    if recommended is not None and (recommended > low.scale or not _finite(low)):
+        safe = low.scale if _finite(low) else 2.0**advice.MIN_LOG2
+        recommended = _checked(program, runs, recommended, min(safe, recommended), calls, reference)
     leaves = _leaf_gradients(problem, low, reference, low.scale)
-    if recommended is None or recommended <= low.scale or not any(
-        leaf.underflow > advice.UNDERFLOW_SHARE for leaf in leaves
+    if (
+        recommended is None
+        or recommended <= low.scale
+        or not any(leaf.underflow > advice.UNDERFLOW_SHARE for leaf in leaves)
     ):
         return largest, recommended, ()
     if recommended not in runs:
         runs[recommended] = program.evaluate(recommended, calls, False, reference.nonfinite_at)
     return largest, recommended, _leaf_gradients(problem, runs[recommended], reference, recommended)
+
+
+def _finite(run: _Collector) -> bool:
+    return "backward" not in run.origins and all(np.isfinite(g).all() for g in run.grads)
+
+
+def _checked(program, runs, scale, safe, calls, reference) -> float:
+    """The largest power of two from `safe` (a run there is finite) to `scale` at which
+    a run is finite. Values inside a loop (a scan's backward carry) are not measured,
+    so a scale derived from the others may still overflow there: the runs decide."""
+
+    def finite(k: int) -> bool:
+        if 2.0**k not in runs:
+            runs[2.0**k] = program.evaluate(2.0**k, calls, False, reference.nonfinite_at)
+        return _finite(runs[2.0**k])
+
+    lo, hi = math.frexp(safe)[1] - 1, math.frexp(scale)[1] - 1
+    if finite(hi):  # the common case: one run, kept for the underflow figures
+        return scale
+    hi -= 1
+    while lo < hi:  # lo: finite (or below a finite scale); above hi: not finite
+        k = (lo + hi + 1) // 2
+        lo, hi = (k, hi) if finite(k) else (lo, k - 1)
+    return 2.0**lo
 
 
 def _layers(reference: _Collector, lows: dict[str, _Collector]) -> tuple[LayerRange, ...]:

@@ -367,3 +367,36 @@ def test_an_empty_parameter_is_reported():
     report = mpjax.diagnose(loss_fn, p, jnp.ones((8, 4)))
     empty = [leaf for leaf in report.runs[0].leaves if "empty" in leaf.path]
     assert empty and empty[0].max_abs == 0.0 and empty[0].underflow == 0.0
+
+
+def _finite_at(loss_fn, params, batch, scale) -> bool:
+    grads = jax.grad(lambda p: mpjax.autocast(loss_fn)(p, *batch) * scale)(params)
+    return all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+
+
+def test_the_recommended_scale_is_finite_where_a_loop_hides_the_largest_values():
+    # The backward pass of a scan grows its 16-bit carry fourfold per step; those values
+    # are not measured one by one, so the recommended scale is checked by running it.
+    def loss_fn(p, x):
+        h, _ = jax.lax.scan(lambda h, w: (h @ w, None), x, p["ws"])
+        return 1e-12 * jnp.sum(h @ p["head"])
+
+    p = {"ws": jnp.full((8, 8, 8), 0.5), "head": jnp.ones((8, 1))}
+    x = jnp.full((2, 8), 1e-3)
+    for scale in (1.0, 2.0**52):  # raised from a finite run, or lowered from an overflow
+        run = mpjax.diagnose(loss_fn, p, x, scale=scale).runs[0]
+        assert _finite_at(loss_fn, p, (x,), run.recommended_scale)
+        assert not _finite_at(loss_fn, p, (x,), 2 * run.recommended_scale * 2.0**8)
+        assert all(leaf.overflow == 0 for leaf in run.leaves_at_recommended)
+
+
+def test_an_overflow_no_scale_avoids_is_not_called_an_underflow():
+    def loss_fn(w, x):
+        return jnp.sum(x @ w) * 1e10  # a float16 cotangent of 1e10 times the scale
+
+    w, x = jnp.ones((8, 4)), jnp.ones((4, 8))
+    report = mpjax.diagnose(loss_fn, w, x, scale=1.0)
+    run = report.runs[0]
+    assert run.recommended_scale is None and run.max_gradient == float("inf")
+    assert "no loss scale avoids it" in report.recommendations[-1]
+    assert not _finite_at(loss_fn, w, (x,), 2.0**-14)
