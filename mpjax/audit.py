@@ -226,10 +226,19 @@ def _matmul_flops(eqn) -> int:
     if eqn.primitive.name == "conv_general_dilated":
         out = eqn.outvars[0].aval.shape
         out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
-        return 2 * math.prod(out) * math.prod(rhs) // max(out_features, 1)
+        # An input dilation (a transposed convolution, the input gradient of a strided
+        # one) inserts zeros: products with them are not counted, as XLA counts.
+        zeros = math.prod(eqn.params.get("lhs_dilation") or (1,))
+        return 2 * math.prod(out) * math.prod(rhs) // max(out_features, 1) // zeros
     if eqn.primitive.name == "dot_general":
         (_, rhs_contract), (_, rhs_batch) = eqn.params["dimension_numbers"]
         rhs_free = [d for i, d in enumerate(rhs) if i not in (*rhs_contract, *rhs_batch)]
         return 2 * math.prod(lhs) * math.prod(rhs_free)
-    # ragged_dot: lhs [m, k] against rhs [groups, k, n]; each row meets one group.
-    return 2 * math.prod(lhs) * rhs[-1]
+    # ragged_dot: each row of lhs meets one group of rhs, so every lhs element is
+    # multiplied by each free element of one group (its gradients too).
+    numbers = eqn.params.get("ragged_dot_dimension_numbers")
+    if numbers is None:
+        return 2 * math.prod(lhs) * rhs[-1]  # lhs [m, k] against rhs [groups, k, n]
+    (_, contract), (_, batch) = numbers.dot_dimension_numbers
+    taken = {*contract, *batch, *numbers.rhs_group_dimensions}
+    return 2 * math.prod(lhs) * math.prod(d for i, d in enumerate(rhs) if i not in taken)

@@ -58,6 +58,20 @@ def test_integer_products_are_not_counted_as_floating_point_work():
     assert len(report.find("dot_general")) == 2  # still listed
 
 
+def test_ragged_and_transposed_products_count_the_products_they_make():
+    # Each of ragged_dot's three products (forward, both gradients) is 2*6*8*5.
+    lhs, rhs, sizes = jnp.ones((6, 8)), jnp.ones((3, 8, 5)), jnp.array([2, 2, 2], jnp.int32)
+    f = lambda l, r: jnp.sum(jnp.tanh(jax.lax.ragged_dot(l, r, sizes)))
+    report = mpjax.audit(jax.grad(mpjax.autocast(f), argnums=(0, 1)), lhs, rhs)
+    assert report.matmul_flops == 3 * 2 * 6 * 8 * 5
+    # A stride-2 transposed convolution: each input element meets each tap once; the
+    # zeros it inserts are not multiplied.
+    x, k = jnp.ones((1, 8, 8, 4)), jnp.ones((3, 3, 4, 4))
+    dims = ("NHWC", "HWIO", "NHWC")
+    convt = lambda x, k: lax.conv_transpose(x, k, (2, 2), "SAME", dimension_numbers=dims)
+    assert mpjax.audit(mpjax.autocast(convt), x, k).matmul_flops == 2 * 8 * 8 * 4 * 3 * 3 * 4
+
+
 def test_conv_flops():
     def f(x, k):
         return lax.conv_general_dilated(
