@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mpjax import _compat
+from mpjax._casting import explicit_sharding
 
 
 def update_selected(inner, drop, grads, state, params, extra):
@@ -100,10 +101,8 @@ def _sharded_as(old, new):
     differ, as a selection between them needs: a state made eagerly (optax's
     ``zeros_like`` replicates it) whose update comes out sharded as the gradients,
     as it does without the scaler."""
-    was, now = (getattr(jax.typeof(x), "sharding", None) for x in (old, new))
+    was, now = getattr(jax.typeof(old), "sharding", None), explicit_sharding(jax.typeof(new))
     if was is None or now is None or was.spec == now.spec or jnp.shape(old) != jnp.shape(new):
-        return old
-    if jax.sharding.AxisType.Explicit not in getattr(now.mesh, "axis_types", ()):
         return old
     return jax.sharding.reshard(old, now)
 
