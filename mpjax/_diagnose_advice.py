@@ -107,7 +107,7 @@ def _backward_and_scale(run, layers) -> list[str]:
 
 
 def _overflow_at_every_scale(run) -> list[str]:
-    where = run.backward.module or run.backward.source if run.backward else "the loss"
+    where = (run.backward.module or run.backward.source) if run.backward else "the loss"
     return [
         f"float16: the backward pass overflows at scale {run.scale:g} and still at the "
         "smallest scale float32's gradients allow, so no loss scale avoids it: keep "

@@ -307,9 +307,9 @@ def _scale_figures(program, low, problem, reference, calls):
             largest = runs[probe].backward_low_max
             if not _finite(runs[probe]) and probe <= low.scale:
                 return math.inf, None, ()  # it overflows at every scale down to `probe`
-    recommended = advice.recommended_scale(largest)
-    if recommended is not None and (recommended > low.scale or not _finite(low)):
-        safe = low.scale if _finite(low) else 2.0**advice.MIN_LOG2
+    recommended, low_finite = advice.recommended_scale(largest), _finite(low)
+    if recommended is not None and (recommended > low.scale or not low_finite):
+        safe = low.scale if low_finite else 2.0**advice.MIN_LOG2
         recommended = _checked(program, runs, recommended, min(safe, recommended), calls, reference)
     leaves = _leaf_gradients(problem, low, reference, low.scale)
     if (
