@@ -149,7 +149,8 @@ def _scale(run, layers) -> list[str]:
         if rec < s:
             return [
                 f"Start from init_scale={_pow2(rec)} (grad_scaler backs off on its own, "
-                f"skipping a step each time): {fits}."
+                f"skipping a step each time): {fits}.",
+                *_still_under(run, layers),
             ]
         where = f"`{run.backward.module}`" if run.backward.module else run.backward.source
         return [
@@ -164,7 +165,8 @@ def _scale(run, layers) -> list[str]:
         out = [
             f"At scale {s:g} the largest 16-bit backward value reaches {g * s:.3g}, less "
             f"than {HEADROOM:g} times below 65504: init_scale={_pow2(rec)} leaves room as "
-            "gradients grow."
+            "gradients grow.",
+            *_still_under(run, layers),
         ]
     elif under:
         out = [f"Scale {s:g} is the largest safe power of two: {fits}."]
@@ -193,18 +195,26 @@ def _lost(under) -> str:
 def _raise_scale(run, layers, under, fits) -> list[str]:
     rec = _pow2(run.recommended_scale)
     out = [f"Raise init_scale to {rec}: at scale {run.scale:g}, {_lost(under)}; {fits}."]
-    still = [leaf for leaf in run.leaves_at_recommended if leaf.underflow > UNDERFLOW_SHARE]
+    still = _still_under(run, layers, "even ")
     if still:
-        out.append(
-            f"{len(still)} parameter(s) underflow even at {rec}, the largest safe scale "
-            f"({_worst(still)}): use bfloat16, or keep {_users(still, layers)} in float32 "
-            "with a nested `mpjax.autocast(fn, enabled=False)`."
-        )
+        out += still
     elif run.leaves_at_recommended:
         out.append(
             f"At {rec} no parameter loses more than {UNDERFLOW_SHARE:.0%} of its gradient to zero."
         )
     return out
+
+
+def _still_under(run, layers, even="") -> list[str]:
+    """The parameters that lose gradients at the recommended scale, if measured there."""
+    still = [leaf for leaf in run.leaves_at_recommended if leaf.underflow > UNDERFLOW_SHARE]
+    if not still:
+        return []
+    return [
+        f"{len(still)} parameter(s) underflow {even}at {_pow2(run.recommended_scale)}, the "
+        f"largest safe scale ({_worst(still)}): use bfloat16, or keep "
+        f"{_users(still, layers)} in float32 with a nested `mpjax.autocast(fn, enabled=False)`."
+    ]
 
 
 def _underflow_bfloat16(run, layers) -> list[str]:

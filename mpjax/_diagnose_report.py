@@ -120,8 +120,9 @@ class Run:
     where every 16-bit backward value is zero (nothing to derive a scale from), and
     where the step overflows at every scale (`max_gradient` is then inf)."""
     leaves_at_recommended: tuple[LeafGradient, ...] = ()
-    """The gradients measured again at `recommended_scale`, when it is above `scale`
-    and some gradients underflowed at `scale`."""
+    """The gradients measured again at `recommended_scale`: when it is below `scale`
+    (a lower scale may lose small gradients), or above it and some gradients
+    underflowed at `scale`."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,9 +44,10 @@ _CALLS = frozenset(
         "remat2",
     }
 )
-_MPJAX_SCOPE = re.compile(r"^mpjax_\w*$")  # autocast's regions, diagnose's own scope
+# autocast's regions, diagnose's own scope, and the calls autocast inlines
+_OWN = re.compile(r"^(mpjax_\w*|jit\(.*\))$")
 _JAX_SCOPES = frozenset({"rematted_computation"})  # jax.checkpoint's recomputation
-_TRANSFORM = re.compile(r"[A-Za-z_]\w*\(")
+_WRAPPED = re.compile(r"^([A-Za-z_]\w*)\((.*)\)$")  # a transform's: jvp(Net)
 _MPJAX_DIR = os.path.dirname(os.path.abspath(__file__))
 # Where `mpjax.diagnose` calls the loss: frames beyond are the caller's, not the loss's.
 _DIAGNOSE_FILES = tuple(os.path.join(_MPJAX_DIR, f) for f in ("diagnose.py", "_diagnose_args.py"))
@@ -87,38 +88,34 @@ def stats(x) -> Stats | None:
     )
 
 
-def module_path(stack: str, calls=frozenset()) -> str:
-    """A name stack without JAX's transforms, mpjax's own scopes and the names of
-    the `calls` (jitted functions, which autocast inlines under their name):
-    ``transpose(jvp(mpjax_autocast_float16))/Net/block_1/_where`` -> ``Net/block_1``."""
-    plain = _TRANSFORM.sub("", stack).replace(")", "")
-    parts = [
-        p
-        for p in plain.split("/")
-        if p and p not in calls and p not in _JAX_SCOPES and not _MPJAX_SCOPE.match(p)
-    ]
-    return "/".join(_without_repeats(parts))
+def module_path(stack: str) -> str:
+    """A name stack without JAX's transforms, mpjax's own scopes and the calls
+    autocast inlines (``jit(norm)``, a jitted function's equations):
+    ``transpose(jvp(mpjax_autocast_float16))/Net/block_1/jit(_where)`` -> ``Net/block_1``.
+
+    A stack may hold a second, full one: a custom derivative's rule or a
+    `jax.checkpoint`'s recomputation traced under its caller's scope
+    (``transpose(jvp(Net))/mlp/jvp(Net)/mlp``). It starts at a scope wrapped in a
+    transform and names the caller's modules again: that one is the path."""
+    parts = stack.split("/")
+    for i in range(len(parts) - 1, 0, -1):
+        if _WRAPPED.match(parts[i]) and not parts[i].startswith("jit("):
+            outer, inner = _modules(parts[:i]), _modules(parts[i:])
+            if inner[: len(outer)] == outer:
+                return "/".join(inner)
+    return "/".join(_modules(parts))
 
 
-def _without_repeats(parts: list) -> list:
-    """A path whose scopes repeat back to back (``a/b/a/b``: an inlined call of
-    mpjax's, traced under the caller's full scope) named once (``a/b``)."""
-    for size in range(len(parts) // 2, 0, -1):
-        for i in range(len(parts) - 2 * size + 1):
-            if parts[i : i + size] == parts[i + size : i + 2 * size]:
-                return _without_repeats(parts[: i + size] + parts[i + 2 * size :])
-    return parts
+def _modules(parts: list) -> list:
+    return [p for p in map(_unwrapped, parts) if p and p not in _JAX_SCOPES and not _OWN.match(p)]
 
 
-def call_names(jaxpr) -> frozenset:
-    """The names of the jitted functions called anywhere in `jaxpr`."""
-    names = set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("jit", "pjit") and "name" in eqn.params:
-            names.add(eqn.params["name"])
-        for sub in _compat.sub_jaxprs(eqn.params):
-            names |= call_names(_compat.jaxpr_and_consts(sub)[0])
-    return frozenset(names)
+def _unwrapped(part: str) -> str:
+    """A scope without the transforms wrapping it: ``transpose(jvp(Net))`` -> ``Net``;
+    an inlined call's ``jit(...)`` is kept."""
+    while (m := _WRAPPED.match(part)) and m.group(1) != "jit":
+        part = m.group(2)
+    return part
 
 
 def is_backward(stack: str) -> bool:
@@ -201,9 +198,9 @@ def _last_uses(jaxpr) -> dict[int, set]:
 class Walk:
     """Evaluates a jaxpr and reports every first-order equation to `observe`."""
 
-    def __init__(self, observe):
+    def __init__(self, observe, zoom=lambda backward: True):
         self.observe = observe
-        self.stop_zoom = False
+        self.zoom = zoom  # whether a scan that makes the first inf or NaN is run step by step
 
     def run(self, jaxpr, consts, args, prefix="", backward=False, inside="", seeded=None):
         """The outputs of `jaxpr` on `args`. `seeded` flags the arguments the
@@ -280,9 +277,8 @@ class Walk:
     def _zoom(self, eqn, vals, stack, back):
         """A scan that made the first non-finite values: run again, one iteration
         at a time, to report the equation inside."""
-        if eqn.primitive.name != "scan" or self.stop_zoom:
+        if eqn.primitive.name != "scan" or not self.zoom(back):
             return
-        self.stop_zoom = True  # once: the first such scan is the one that matters
         num_consts, num_carry = _compat.scan_counts(eqn.params)
         jaxpr, consts = _compat.jaxpr_and_consts(eqn.params["jaxpr"])
         length, reverse = eqn.params["length"], eqn.params["reverse"]

@@ -23,9 +23,11 @@ from mpjax.interpreter import HIGHER_ORDER, Context, Scope, eval_closed, eval_ja
 
 
 def _inline_call(ctx: Context, eqn, vals, weak):
-    """A nested jit is inlined, so its casts share the caller's scope."""
+    """A nested jit is inlined, so its casts share the caller's scope. Its
+    equations are named ``jit(name)`` in the name stack, as JAX names a call's,
+    so that a profile or `mpjax.diagnose` tells them from a module named alike."""
     closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    with jax.named_scope(eqn.params.get("name", eqn.primitive.name)):
+    with jax.named_scope(f"jit({eqn.params.get('name', eqn.primitive.name)})"):
         outs, _ = eval_closed(ctx, closed, vals, weak)
     return outs
 

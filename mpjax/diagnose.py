@@ -58,8 +58,8 @@ def diagnose(
     by JAX's name stack: those of the backward pass carry a ``transpose(...)``
     transform (a ``jax.checkpoint`` region recomputed there counts as backward).
     Inside ``scan`` and ``while`` loops values are checked per loop, not per
-    operation; a ``scan`` that produces the first inf is run again one step at
-    a time to find the operation.
+    operation; a ``scan`` that makes inf or NaN from finite values is run again
+    one step at a time to find the operation.
 
     Args:
       loss_fn: ``loss_fn(params, *batch)`` returns a scalar loss (``(loss, aux)``
@@ -101,11 +101,10 @@ def diagnose(
 
 def _report(problem: da.Problem, scales: dict[str, float], policy: str) -> DiagnoseReport:
     program = _Program(problem, None, policy)
-    calls = dw.call_names(program.jaxpr)  # autocast inlines them: names to leave out
-    reference = program.evaluate(1.0, calls)
+    reference = program.evaluate(1.0)
     runs, lows = [], {}
     for name, scale in scales.items():
-        run, lows[name] = _diagnose_dtype(problem, name, scale, policy, reference, calls)
+        run, lows[name] = _diagnose_dtype(problem, name, scale, policy, reference)
         runs.append(run)
     report = DiagnoseReport(
         tuple(runs),
@@ -145,11 +144,14 @@ class _Program:
         self.jaxpr, self.consts = _compat.jaxpr_and_consts(closed)
         self.dtype = dtype
 
-    def evaluate(self, scale: float, calls=frozenset(), collect=True, known=frozenset()):
-        collector = _Collector(scale, calls, collect, known)
+    def evaluate(self, scale: float, collect=True, known=None):
+        """A run at `scale`. `known`: where the float32 run makes inf or NaN (None
+        for that run itself)."""
+        collector = _Collector(scale, collect, known)
         args = [jnp.float32(scale), *self.args[1:]]
         seeded = [True] + [False] * (len(args) - 1)  # the scale seeds the gradient
-        outs = dw.Walk(collector).run(self.jaxpr, self.consts, args, seeded=seeded)
+        walk = dw.Walk(collector, collector.wants_zoom)
+        outs = walk.run(self.jaxpr, self.consts, args, seeded=seeded)
         collector.loss = float(np.asarray(outs[0], np.float64))
         collector.grads = outs[1:]
         return collector
@@ -170,17 +172,23 @@ class _Row:
 class _Collector:
     """Observes a walk: the first origin per phase, ranges per module."""
 
-    def __init__(self, scale: float, calls: frozenset, collect: bool, known=frozenset()):
-        self.scale, self.calls, self.collect = scale, calls, collect
+    def __init__(self, scale: float, collect: bool, known: set | None):
+        self.scale, self.collect = scale, collect
         self.origins: dict[str, Origin] = {}
         # Where this run makes inf or NaN from finite inputs; an origin in `known`
         # (the float32 run makes it too: a log(mask)'s -inf) is not precision's doing.
         self.nonfinite_at: set = set()
-        self.known = known
+        self.known = frozenset() if known is None else known
+        self.zoom_all = known is None  # the float32 run: its set must be whole
         self.modules: dict[str, _Row] = {}
         self.backward_max = 0.0  # of all backward values, divided by the scale
         self.backward_low_max = 0.0  # of the 16-bit ones
         self.loss, self.grads = math.nan, []
+
+    def wants_zoom(self, backward: bool) -> bool:
+        """Whether a scan that makes inf or NaN is run step by step: until the
+        phase has its origin (the first such scan's may be one float32 makes too)."""
+        return self.zoom_all or ("backward" if backward else "forward") not in self.origins
 
     def __call__(self, event: dw.Event) -> None:
         if RECAST_SCOPE in event.stack:  # the forward pass's cast made again
@@ -189,13 +197,14 @@ class _Collector:
         finite = all(s.finite for s in event.out_stats)
         if not finite and event.inputs_finite:
             where = dw.where(event.eqn)
-            at = (phase, event.eqn.primitive.name, where.file, where.line)
+            module = dw.module_path(event.stack)  # a line runs once per layer
+            at = (phase, event.eqn.primitive.name, module, where.file, where.line)
             self.nonfinite_at.add(at)
             if phase not in self.origins and at not in self.known:
-                self.origins[phase] = _origin(event, phase, self.calls)
+                self.origins[phase] = _origin(event, phase)
         if not event.out_stats or _OWN_SCOPE in event.stack:
             return
-        key = dw.module_path(event.stack, self.calls) or _line_key(event.eqn)
+        key = dw.module_path(event.stack) or _line_key(event.eqn)
         if key is None:  # the gradient's seed, outside the loss
             return
         if event.backward:
@@ -234,7 +243,7 @@ def _line_key(eqn) -> str | None:
     return f"{where.function} ({dw.short_path(where.file)}:{where.line})"
 
 
-def _origin(event: dw.Event, phase: str, calls: frozenset) -> Origin:
+def _origin(event: dw.Event, phase: str) -> Origin:
     eqn = event.eqn
     produced = set()
     for o in event.outs:
@@ -246,7 +255,7 @@ def _origin(event: dw.Event, phase: str, calls: frozenset) -> Origin:
     return Origin(
         phase=phase,
         primitive=eqn.primitive.name,
-        module=dw.module_path(event.stack, calls),
+        module=dw.module_path(event.stack),
         file=where.file,
         line=where.line,
         function=where.function,
@@ -278,19 +287,19 @@ def _leaf_gradients(problem, low, reference, scale) -> tuple[LeafGradient, ...]:
     return tuple(out)
 
 
-def _diagnose_dtype(problem, dtype, scale, policy, reference, calls):
+def _diagnose_dtype(problem, dtype, scale, policy, reference):
     program = _Program(problem, dtype, policy)
-    low = program.evaluate(scale, calls, known=reference.nonfinite_at)
+    low = program.evaluate(scale, known=reference.nonfinite_at)
     forward, backward = low.origins.get("forward"), low.origins.get("backward")
     leaves = _leaf_gradients(problem, low, reference, scale)
     largest, recommended, again = low.backward_low_max, None, ()
     if dtype == "float16" and forward is None:
-        largest, recommended, again = _scale_figures(program, low, problem, reference, calls)
+        largest, recommended, again = _scale_figures(program, low, problem, reference)
     run = Run(dtype, scale, low.loss, forward, backward, leaves, largest, recommended, again)
     return run, low
 
 
-def _scale_figures(program, low, problem, reference, calls):
+def _scale_figures(program, low, problem, reference):
     """(largest 16-bit backward value, recommended scale, gradients measured there).
 
     The largest value is read from the run at the user's scale unless it overflowed
@@ -303,23 +312,24 @@ def _scale_figures(program, low, problem, reference, calls):
     if "backward" in low.origins or largest * low.scale < RANGES["float16"][1]:
         probe = advice.recommended_scale(reference.backward_max)
         if probe is not None:  # (None: float32's backward pass is zero too)
-            runs[probe] = program.evaluate(probe, calls, False, reference.nonfinite_at)
+            runs[probe] = program.evaluate(probe, False, reference.nonfinite_at)
             largest = runs[probe].backward_low_max
             if not _finite(runs[probe]) and probe <= low.scale:
                 return math.inf, None, ()  # it overflows at every scale down to `probe`
     recommended, low_finite = advice.recommended_scale(largest), _finite(low)
     if recommended is not None and (recommended > low.scale or not low_finite):
         safe = low.scale if low_finite else 2.0**advice.MIN_LOG2
-        recommended = _checked(program, runs, recommended, min(safe, recommended), calls, reference)
-    leaves = _leaf_gradients(problem, low, reference, low.scale)
-    if (
-        recommended is None
-        or recommended <= low.scale
-        or not any(leaf.underflow > advice.UNDERFLOW_SHARE for leaf in leaves)
-    ):
+        recommended = _checked(program, runs, recommended, min(safe, recommended), reference)
+    if recommended is None or recommended == low.scale:
         return largest, recommended, ()
+    leaves = _leaf_gradients(problem, low, reference, low.scale)
+    underflow = any(leaf.underflow > advice.UNDERFLOW_SHARE for leaf in leaves)
+    if recommended > low.scale and not underflow:
+        return largest, recommended, ()
+    # Measured again where raising the scale brings gradients back, and where
+    # lowering it (out of an overflow) may lose small ones.
     if recommended not in runs:
-        runs[recommended] = program.evaluate(recommended, calls, False, reference.nonfinite_at)
+        runs[recommended] = program.evaluate(recommended, False, reference.nonfinite_at)
     return largest, recommended, _leaf_gradients(problem, runs[recommended], reference, recommended)
 
 
@@ -327,14 +337,14 @@ def _finite(run: _Collector) -> bool:
     return "backward" not in run.origins and all(np.isfinite(g).all() for g in run.grads)
 
 
-def _checked(program, runs, scale, safe, calls, reference) -> float:
+def _checked(program, runs, scale, safe, reference) -> float:
     """The largest power of two from `safe` (a run there is finite) to `scale` at which
     a run is finite. Values inside a loop (a scan's backward carry) are not measured,
     so a scale derived from the others may still overflow there: the runs decide."""
 
     def finite(k: int) -> bool:
         if 2.0**k not in runs:
-            runs[2.0**k] = program.evaluate(2.0**k, calls, False, reference.nonfinite_at)
+            runs[2.0**k] = program.evaluate(2.0**k, False, reference.nonfinite_at)
         return _finite(runs[2.0**k])
 
     lo, hi = math.frexp(safe)[1] - 1, math.frexp(scale)[1] - 1

@@ -400,3 +400,102 @@ def test_an_overflow_no_scale_avoids_is_not_called_an_underflow():
     assert run.recommended_scale is None and run.max_gradient == float("inf")
     assert "no loss scale avoids it" in report.recommendations[-1]
     assert not _finite_at(loss_fn, w, (x,), 2.0**-14)
+
+
+class _Inner(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        scale = jnp.linalg.norm(x) / jnp.linalg.norm(x)  # a jitted call named `norm`
+        return nn.Dense(4, use_bias=False)(x * scale) * 3e4  # NAMED
+
+
+class _Outer(nn.Module):
+    name_inner: str
+
+    @nn.compact
+    def __call__(self, x):
+        return _Inner(name=self.name_inner)(x)
+
+
+@pytest.mark.parametrize(
+    "names, path",
+    [
+        (("norm", "inner"), "Net/norm/inner"),  # a module named like a jitted function
+        (("attention", "attention"), "Net/attention/attention"),  # transformers' ViT
+    ],
+)
+def test_a_module_path_is_named_as_flax_names_it(names, path):
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return _Outer(names[1], name=names[0])(x)
+
+    x = jnp.full((2, 4), 20.0)  # times 3e4: beyond float16
+    params = Net().init(jax.random.key(0), x)
+    report = mpjax.diagnose(lambda p, x: jnp.mean(Net().apply(p, x)) * 1e-6, params, x)
+    origin = report.runs[0].forward
+    assert origin.module == path and origin.line == _line("NAMED")
+    assert {layer.module for layer in report.layers} >= {path}
+
+
+def test_each_scan_is_searched_until_one_overflows_in_16_bits_only():
+    def loss_fn(w, c0, mask):
+        def masked(c, _):
+            return c, jnp.log(mask)  # -inf where masked, in float32 too
+
+        def masked_again(c, _):
+            return c, jnp.log(mask)  # a second loop float32 sees -inf in
+
+        logs = [lax.scan(body, c0, None, length=2)[1] for body in (masked, masked_again)]
+        c, _ = lax.scan(lambda c, _: (c @ w, None), c0, None, length=6)  # THIRD_SCAN
+        total = sum(jnp.sum(jnp.where(jnp.isfinite(s), s, 0.0)) for s in logs)
+        return total + jnp.sum(c) * 1e-6
+
+    mask = jnp.array([1.0, 0.0, 1.0, 1.0])
+    report = mpjax.diagnose(loss_fn, 10 * jnp.eye(4), jnp.ones((2, 4)), mask)
+    assert report.reference_forward.primitive == "log"
+    origin = report.runs[0].forward
+    assert (origin.primitive, origin.inside) == ("dot_general", "scan step 4")
+    assert origin.line == _line("THIRD_SCAN")
+
+
+class _Boosted(nn.Module):
+    boost: float
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4, use_bias=False)(x) * self.boost  # BOOSTED
+
+
+def test_a_line_float32_overflows_in_one_layer_is_searched_in_the_others():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            wild = _Boosted(3e38, name="wild")(x)  # inf in float32 too
+            tame = _Boosted(3e4, name="tame")(x)  # inf in float16 only
+            return jnp.where(jnp.isfinite(wild), wild, 0.0) + tame
+
+    x = jnp.full((2, 4), 20.0)
+    params = Net().init(jax.random.key(0), x)
+    report = mpjax.diagnose(lambda p, x: jnp.mean(Net().apply(p, x)) * 1e-6, params, x)
+    assert report.reference_forward.module == "Net/wild"
+    origin = report.runs[0].forward
+    assert (origin.module, origin.line) == ("Net/tame", _line("BOOSTED"))
+
+
+def test_a_lowered_scale_is_checked_for_gradients_it_loses():
+    # The cotangent of x @ p["big"] is 1e3 times the scale (beyond float16 at 2**16),
+    # that of x @ p["small"] 1e-9 times it: below float16's subnormals at any scale
+    # the first allows.
+    def loss_fn(p, x):
+        return jnp.sum(x @ p["big"]) * 1e3 + jnp.sum(x @ p["small"]) * 1e-9
+
+    p = {"big": jnp.ones((4, 2)), "small": jnp.ones((4, 2))}
+    report = mpjax.diagnose(loss_fn, p, jnp.ones((3, 4)))
+    run = report.runs[0]
+    assert run.backward is not None and run.recommended_scale == 2.0**3
+    lost = {leaf.path: leaf.underflow for leaf in run.leaves_at_recommended}
+    assert lost == {"['big']": 0.0, "['small']": 1.0}
+    assert "Start from init_scale=2**3" in report.recommendations[-2]
+    assert "1 parameter(s) underflow at 2**3" in report.recommendations[-1]
+    assert "worst `['small']`, 100.0%" in report.recommendations[-1]
