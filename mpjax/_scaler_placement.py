@@ -8,12 +8,9 @@ its own, so the helpers (`get_scale`, `scaled_value_and_grad`...) refuse it.
 from __future__ import annotations
 
 import collections
-import numbers
-from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 
 _FIX = "Put the whole optimizer inside one scaler: grad_scaler(optax.chain(...))."
@@ -73,14 +70,21 @@ def check_placement(opt_state: Any, target: Any, caller: str) -> None:
 
 def _chained(node, child) -> bool:
     """Whether `node`, a tuple holding `child`, is a chain's state rather than the
-    user's own pair such as ``(params, opt_state)``: beside a transform's state, a
-    chain holds other transforms' states, never a dict of arrays, an array or a number."""
+    user's own tuple such as ``(params, opt_state)``: beside a transform's state, a
+    chain holds only other transforms' states."""
     others = node.values() if isinstance(node, collections.OrderedDict) else node
-    return not any(
-        isinstance(x, (Mapping, jax.Array, np.ndarray, numbers.Number))
-        for x in others
-        if x is not child
-    )
+    return all(_transform_state(x) for x in others if x is not child)
+
+
+def _transform_state(x) -> bool:
+    """Whether `x` may be a transform's state: a NamedTuple (optax's ``EmptyState()``
+    and every state of its own), a chain's tuple of them, or None (a hand-written
+    transform's). A list, a dict, an array, a number or a string is the user's."""
+    if x is None or hasattr(x, "_fields"):
+        return True
+    if type(x) in _CHAINS:
+        return all(map(_transform_state, x.values() if isinstance(x, dict) else x))
+    return False
 
 
 def _is_optax_state(node) -> bool:

@@ -15,12 +15,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 
-from mpjax import _compat, _finite, _skip
+from mpjax import _compat, _finite, _skip, _subtrees
 from mpjax._skip import select as _select
 from mpjax._float32 import _mul_f32_by_f64
-from mpjax.scaler_state import DISABLED, SubtreeFlags, register_serialization
+from mpjax.scaler_state import DISABLED, SubtreeFlags
 
 
 class ScalerConfig(NamedTuple):
@@ -58,6 +59,7 @@ def _accumulate(inner, config: ScalerConfig, grads, state, params, extra):
     # would. Written as the product XLA turns a division by a constant into, so
     # the result is the same on every backend.
     weight = 1.0 / k if config.accumulation == "mean" else 1.0
+    check_accumulable(grads, state.grad_accumulator, k)
     total = jax.tree.map(
         lambda acc, g: (
             acc + g.astype(acc.dtype) * jnp.asarray(weight, acc.dtype) if _is_inexact(g) else acc
@@ -66,7 +68,7 @@ def _accumulate(inner, config: ScalerConfig, grads, state, params, extra):
         grads,
     )
     micro_step = state.micro_step + 1
-    last_micro_step = micro_step == k
+    last_micro_step = micro_step >= k  # a state resumed with fewer steps: its next one
     # Selection, as in optax.MultiSteps: inner's update is computed on every
     # micro-batch and kept on the last. (lax.cond would skip that work, but
     # inside shard_map its branches must agree on device variance, which the
@@ -86,6 +88,35 @@ def _accumulate(inner, config: ScalerConfig, grads, state, params, extra):
         micro_step=jnp.where(last_micro_step, 0, micro_step).astype(jnp.int32),
         grad_accumulator=accumulator,
     )
+
+
+def check_accumulable(grads, accumulator, k: int) -> None:
+    """A ValueError unless `grads` is shaped as `accumulator`, made at init."""
+    where = f"grad_scaler update with accumulation_steps={k}"
+    if isinstance(accumulator, optax.EmptyState):
+        raise TypeError(
+            f"{where}: the state was made by a scaler without accumulation (its "
+            "grad_accumulator is empty). Make the state with this transformation's "
+            "init, or restore the checkpoint with the accumulation_steps it was saved with."
+        )
+    got, want = jax.tree.structure(grads), jax.tree.structure(accumulator)
+    if got != want:
+        raise ValueError(
+            f"{where}: the gradients are not structured as the parameters given to "
+            f"init, for which the accumulator was made.\n  gradients: {got}\n  "
+            f"accumulator: {want}\nPass init the parameters the gradients are taken of."
+        )
+    for (path, g), a in zip(
+        jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(accumulator)
+    ):
+        if jnp.shape(g) != jnp.shape(a):
+            raise ValueError(
+                f"{where}: the gradient at {jax.tree_util.keystr(path) or '<root>'} has "
+                f"shape {jnp.shape(g)}, its accumulator (the parameter's) {jnp.shape(a)}: "
+                "gradients are summed over micro-batches only when shaped as their "
+                "parameters (per-example gradients would be added example by example "
+                "across micro-batches). Reduce them to the parameters' shapes first."
+            )
 
 
 def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
@@ -116,8 +147,9 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
         scale=jnp.where(fresh, jnp.float32(config.init_scale), state.scale),
         growth_tracker=jnp.maximum(state.growth_tracker, 0),
     )
+    traced = _skip.trace_update(inner, grads, state.inner_state, params, extra)
     nonfinite, nonfinite_subtrees = _nonfinite_flags(
-        config, grads, state.nonfinite_subtrees, state.scale
+        config, grads, state.nonfinite_subtrees, state.scale, _skip.read_gradients(traced, grads)
     )
     if not _compat.is_tracer(nonfinite):
         # Eagerly (jax_debug_nans checks each operation) inner runs on zeros; under
@@ -125,11 +157,7 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
         grads = _zeros_where(nonfinite, grads)
     if config.check_updates:
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
-        # inner may itself produce a non-finite update from finite gradients
-        # (adam with eps=0 on zero gradients): that step is skipped too, so
-        # parameters never become non-finite. The scale is not at fault and is
-        # not backed off.
-        bad_updates = _nonfinite_flags(config, updates, {}, state.scale)[0]
+        bad_updates = _bad_updates(config, updates, state, inner_state)
         skipped = nonfinite | bad_updates
         # Selection is exact, so a skipped step leaves inner's state bit for bit.
         inner_state = _select(_either(skipped, take), state.inner_state, inner_state)
@@ -138,7 +166,7 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
         # computes it, and XLA folds the selects into inner's own passes.
         skipped = nonfinite
         updates, inner_state = _skip.update_selected(
-            inner, _either(skipped, take), grads, state.inner_state, params, extra
+            inner, _either(skipped, take), grads, state.inner_state, params, extra, traced
         )
     updates = _no_updates_where(_either(skipped, take), updates)
     if config.dynamic:
@@ -170,6 +198,35 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
     )
 
 
+def _bad_updates(config: ScalerConfig, updates, state, inner_state) -> jax.Array:
+    """Whether inner made non-finite updates from finite gradients (adam with
+    eps=0 on zero gradients), or made its finite state non-finite (adam's nu from
+    a gradient of 1e20, whose update mu / sqrt(inf) is a finite 0: the parameter
+    would never move again). Such a step is skipped too; the scale is not at
+    fault and is not backed off."""
+    bad = _nonfinite_flags(config, updates, {}, state.scale)[0]
+    return bad | _breaks(config, state.inner_state, inner_state)
+
+
+def _breaks(config: ScalerConfig, old, new) -> jax.Array:
+    """Whether a leaf of `new` is not finite where the same leaf of `old`, the
+    state a step earlier, is (a leaf that holds an inf by design, such as
+    reduce_on_plateau's best loss, is not checked)."""
+    pairs = [
+        (o, n)
+        for o, n in zip(jax.tree.leaves(old), jax.tree.leaves(new))
+        if _is_inexact(n) and jnp.shape(o) == jnp.shape(n) and jnp.result_type(o) == n.dtype
+    ]
+    if not pairs:
+        return jnp.zeros([], jnp.bool_)
+    was, _, _ = _finite.leaf_flags([o for o, _ in pairs])
+    now, _, _ = _finite.leaf_flags([n for _, n in pairs])  # the same order: same types
+    broke = jnp.max((now & ~was).astype(jnp.float32)) > 0
+    if config.axis_name is not None:
+        broke = lax.psum(broke.astype(jnp.int32), config.axis_name) > 0
+    return broke
+
+
 def _disabled() -> jax.Array:
     return jnp.asarray(DISABLED, jnp.int32)
 
@@ -184,8 +241,11 @@ def _like(total, grads):
     return jax.tree.map(lambda t, g: t.astype(g.dtype) if _is_inexact(g) else g, total, grads)
 
 
-def _nonfinite_flags(config: ScalerConfig, tree, subtrees, scale):
+def _nonfinite_flags(config: ScalerConfig, tree, subtrees, scale, read=None):
     """Whether any of `tree` is not finite, and for each of `subtrees` whether it is.
+
+    `read`: for each leaf, whether it is checked (the gradients inner reads); all
+    by default.
 
     `subtrees` is the state's `SubtreeFlags` (its names are the subtrees), or an
     empty dict for none. The leaves are checked by a few reductions
@@ -194,15 +254,16 @@ def _nonfinite_flags(config: ScalerConfig, tree, subtrees, scale):
     ``axis_name``.
     """
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    flat = [(path, x) for path, x in flat if _is_inexact(x)]
+    read = [True] * len(flat) if read is None else read
+    flat = [(path, x) for (path, x), r in zip(flat, read, strict=True) if r and _is_inexact(x)]
     flags, order, nonfinite = _finite.leaf_flags([x for _, x in flat])
     if subtrees:
         names = tuple(subtrees)
-        depth = _depth(tree)
+        depth = _subtrees.depth(tree)
         index = {name: i for i, name in enumerate(names)}
         # A leaf outside every named subtree (a tree unlike the parameters) goes to
         # a segment of its own past the end, which segment_any drops.
-        segments = [index.get(_subtree_name(flat[j][0], depth), len(names)) for j in order]
+        segments = [index.get(_subtrees.name(flat[j][0], depth), len(names)) for j in order]
         by_subtree = _finite.segment_any(flags, segments, len(names))
     lone = _lone_axes(nonfinite, scale)
     if config.axis_name is None and lone:
@@ -230,38 +291,6 @@ def _lone_axes(flag, shared) -> tuple:
     return tuple(a for a in _compat.varying_axes(jax.typeof(flag)) if a not in along)
 
 
-def no_subtree_flags(params) -> SubtreeFlags | jax.Array:
-    """The `SubtreeFlags` of `params` with every flag clear, as `init` keeps them."""
-    if _compat.is_optax_placeholder(params):
-        # optax.tree_map_params inits on a stand-in without leaves, where the
-        # names cannot be known: one leaf takes their place, so that its
-        # transform_non_params gets the state's SubtreeFlags whole.
-        return jnp.zeros([0], jnp.bool_)
-    names = tuple(subtree_names(params))
-    register_serialization()
-    return SubtreeFlags(names, jnp.zeros([len(names)], jnp.bool_))
-
-
-def subtree_names(params) -> list[str]:
-    """The paths of the parameter subtrees `GradScalerState.nonfinite_subtrees` keys."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(params)
-    depth = _depth(params)
-    return sorted({_subtree_name(path, depth) for path, x in flat if _is_inexact(x)})
-
-
-def _depth(tree) -> int:
-    """1, or 2 when the top has a single entry (Linen's ``{"params": ...}``)."""
-    top = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)[0]
-    if len(top) != 1 or not top[0][0]:
-        return 1
-    below = jax.tree_util.tree_flatten_with_path(top[0][1])[0]
-    return 2 if below and all(path for path, _ in below) else 1
-
-
-def _subtree_name(path, depth: int) -> str:
-    return jax.tree_util.keystr(tuple(path[:depth])) or "<root>"
-
-
 # --------------------------------------------------------------------------
 # The scale update rule.
 
@@ -282,7 +311,9 @@ def _next_scale(
     # the floor instead of skipping, or zeroing, every later step.
     scale = jnp.where(jnp.isfinite(scale), scale, jnp.float32(min_scale))
     successful = tracker + 1
-    grow = successful == growth_interval  # equality, as torch: not >=
+    # torch's test is equality; at or past it is the same there (its checkpoints
+    # carry the interval), and it also grows a tracker resumed past a smaller one.
+    grow = successful >= growth_interval
     grown = _mul_f32_by_f64(scale, growth_factor)
     grown = jnp.where(jnp.isfinite(grown), grown, scale)  # growth refused at the top
     backed_off = jnp.maximum(_mul_f32_by_f64(scale, backoff_factor), jnp.float32(min_scale))

@@ -25,20 +25,38 @@ from mpjax import _compat
 from mpjax._casting import explicit_sharding
 
 
-def update_selected(inner, drop, grads, state, params, extra):
-    """``inner.update(grads, state, params, **extra)``, with the new state already
-    ``where(drop, old, new)``. The updates are inner's: zero them where `drop`."""
+def trace_update(inner, grads, state, params, extra):
+    """``inner.update`` traced on these arguments: (closed jaxpr, output shapes)."""
 
     def run(g, s, p):
         return inner.update(g, s, p, **extra)
 
+    return jax.make_jaxpr(run, return_shape=True)(grads, state, params)
+
+
+def read_gradients(traced, grads) -> list[bool]:
+    """For each leaf of `grads`, whether inner's update reads its values: one it
+    does not read (``optax.set_to_zero`` of a frozen parameter takes only its
+    shape) is no gradient of the step's, as torch computes none for it."""
+    jaxpr = _compat.jaxpr_and_consts(traced[0])[0]
+    needed = {v for v in jaxpr.outvars if not isinstance(v, _compat.Literal)}
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(v in needed for v in eqn.outvars):
+            needed.update(v for v in eqn.invars if not isinstance(v, _compat.Literal))
+    return [v in needed for v in jaxpr.invars[: len(jax.tree.leaves(grads))]]
+
+
+def update_selected(inner, drop, grads, state, params, extra, traced=None):
+    """``inner.update(grads, state, params, **extra)``, with the new state already
+    ``where(drop, old, new)``. The updates are inner's: zero them where `drop`.
+    `traced`: `trace_update`'s result on these arguments, if made already."""
     if not any(_compat.is_tracer(x) for x in jax.tree.leaves((grads, state, params, extra))):
         # Called eagerly: nothing is compiled as a whole, so the plain selects
         # cost nothing more, and each operation runs as inner's own does.
-        updates, new = run(grads, state, params)
+        updates, new = inner.update(grads, state, params, **extra)
         _check_structure(jax.tree.structure(new), state)
         return updates, select(drop, state, new)
-    closed, out_shape = jax.make_jaxpr(run, return_shape=True)(grads, state, params)
+    closed, out_shape = traced or trace_update(inner, grads, state, params, extra)
     jaxpr, consts = _compat.jaxpr_and_consts(closed)
     old = jax.tree.leaves(state)
     n_updates = len(jax.tree.leaves(out_shape[0]))

@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mpjax import _scaler_update
+from mpjax import _scaler_update, _subtrees
 from mpjax._float32 import MIN_NORMAL_F32
 from mpjax._scaler_checks import (
     DEFAULT_MIN_SCALE,
@@ -140,9 +140,9 @@ def grad_scaler(
         gradients: the mapped axis name (or names) over which the finite check is
         combined, so every device makes the same skip decision. Not needed under plain
         ``jit`` with sharded arrays, where the check is already global.
-      check_updates: also skip a step whose updates ``inner`` made non-finite from
-        finite gradients (the scale holds), at the cost of a pass over the updates
-        and the state (docs/loss_scaling.md). False: the gradients only, as torch.
+      check_updates: also skip a step whose updates, or state, ``inner`` made
+        non-finite from finite gradients (the scale holds), at the cost of a pass
+        over the updates and the state (docs/loss_scaling.md). False: as torch.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -282,7 +282,8 @@ def _loss_scaler(inner, config: ScalerConfig) -> optax.GradientTransformationExt
             check_no_float16(params, inner, inner_state)
         if config.accumulation_steps > 1:
             accumulator = jax.tree.map(
-                lambda p: jnp.zeros(jnp.shape(p), _scaler_update.accumulator_dtype(p)), params
+                lambda p: jnp.zeros(jnp.shape(p), _scaler_update.accumulator_dtype(p)),
+                _subtrees.gradient_shaped(params),
             )
         else:
             accumulator = optax.EmptyState()
@@ -294,7 +295,7 @@ def _loss_scaler(inner, config: ScalerConfig) -> optax.GradientTransformationExt
             micro_step=jnp.zeros([], jnp.int32),
             grad_accumulator=accumulator,
             inner_state=inner_state,
-            nonfinite_subtrees=_scaler_update.no_subtree_flags(params),
+            nonfinite_subtrees=_subtrees.no_subtree_flags(params),
         )
 
     def update_fn(updates, state, params=None, **extra):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -104,6 +105,11 @@ class SubtreeFlags(Mapping):
     def __init__(self, names: tuple[str, ...], flags):
         self.names = tuple(names)
         self.flags = flags
+        if "flax" in sys.modules:  # a state made or unpickled anywhere can be saved
+            register_serialization()
+
+    def __reduce__(self):  # unpickled through __init__
+        return SubtreeFlags, (self.names, self.flags)
 
     def __getitem__(self, name: str) -> jax.Array:
         try:
@@ -184,8 +190,9 @@ def get_scale(opt_state: Any) -> jax.Array:
 def set_scale(opt_state: Any, new_scale: float | jax.Array) -> Any:
     """`opt_state` with the scale replaced (torch's ``update(new_scale)``).
 
-    The growth tracker is left as it is. The input is not modified; use the
-    returned state (for a ``flax.nnx.Optimizer``:
+    The growth tracker is left as it is, except a disabled scaler's -1, which
+    becomes 0 (an enabled scaler would start from its ``init_scale`` instead).
+    The input is not modified; use the returned state (for a ``flax.nnx.Optimizer``:
     ``optimizer.opt_state = set_scale(optimizer.opt_state, s)``). The scale's
     floor applies at the next backoff, not here.
 
@@ -254,7 +261,10 @@ def set_scale(opt_state: Any, new_scale: float | jax.Array) -> Any:
         if node is not target:
             return node
         # tree.map keeps any wrapper around the leaf (an nnx Variable, say).
-        return node._replace(scale=jax.tree.map(lambda _: value, node.scale))
+        return node._replace(
+            scale=jax.tree.map(lambda _: value, node.scale),
+            growth_tracker=jax.tree.map(lambda t: jnp.maximum(t, 0), node.growth_tracker),
+        )
 
     return jax.tree.map(replace, opt_state, is_leaf=_is_scaler_state)
 

@@ -1,0 +1,69 @@
+"""The parameter subtrees that `GradScalerState.nonfinite_subtrees` names.
+
+Names are made at init from the parameters and matched at each update against the
+gradients' paths, so both are read the same way: without the ``.value`` of a
+`flax.nnx.Variable` (an ``nnx.Optimizer`` inits on Variables and updates with
+their arrays), and for optax.lookahead's `LookaheadParams` from the fast
+parameters, whose gradients its update takes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from mpjax import _compat
+from mpjax.scaler_state import SubtreeFlags, register_serialization
+
+
+def no_subtree_flags(params) -> SubtreeFlags | jax.Array:
+    """The `SubtreeFlags` of `params` with every flag clear, as `init` keeps them."""
+    if _compat.is_optax_placeholder(params):
+        # optax.tree_map_params inits on a stand-in without leaves, where the
+        # names cannot be known: one leaf takes their place, so that its
+        # transform_non_params gets the state's SubtreeFlags whole.
+        return jnp.zeros([0], jnp.bool_)
+    names = tuple(subtree_names(params))
+    register_serialization()
+    return SubtreeFlags(names, jnp.zeros([len(names)], jnp.bool_))
+
+
+def gradient_shaped(params):
+    """`params` as its gradients come: optax.lookahead's `LookaheadParams` are
+    updated with the gradients of their fast parameters only."""
+    return params.fast if isinstance(params, optax.LookaheadParams) else params
+
+
+def subtree_names(params) -> list[str]:
+    """The paths of the parameter subtrees `GradScalerState.nonfinite_subtrees` keys."""
+    params = gradient_shaped(params)
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    levels = depth(params)
+    return sorted({name(path, levels) for path, x in flat if _is_inexact(x)})
+
+
+def depth(tree) -> int:
+    """1, or 2 when the top has a single entry (Linen's ``{"params": ...}``)."""
+    top = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)[0]
+    if len(top) != 1 or not top[0][0]:
+        return 1
+    below = jax.tree_util.tree_flatten_with_path(top[0][1])[0]
+    return 2 if below and all(_named(path) for path, _ in below) else 1
+
+
+def name(path, levels: int) -> str:
+    """The name of the subtree holding the leaf at `path`, `levels` deep."""
+    return jax.tree_util.keystr(_named(path)[:levels]) or "<root>"
+
+
+def _is_inexact(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _named(path) -> tuple:
+    """A leaf's path without the ``.value`` of the `flax.nnx.Variable` holding it:
+    an ``nnx.Optimizer`` inits on Variables and updates with their arrays."""
+    return tuple(
+        k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")
+    )
