@@ -155,7 +155,9 @@ def low_product(operands, parameters, product, low, extra=(), recast=True, resul
             for side, param in zip(sides, is_param)
             if not isinstance(side[0], _compat.SymbolicZero)
         ]
-        out = custom(a, b, *rest)
+        # The primal as the product itself, not a call of `custom`: a
+        # jax.checkpoint policy (dots_saveable) sees the dot_general it saves.
+        out = mpjax_low_product(a, b, *rest)
         if not live:
             return out, jax.numpy.zeros(out.shape, out.dtype)
         return out, _linear(live, extra, low, result)

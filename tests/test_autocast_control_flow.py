@@ -1,5 +1,6 @@
 """autocast through loops, branches, remat, custom derivatives and shard_map."""
 
+import functools
 import re
 
 import chex
@@ -367,3 +368,26 @@ def test_checkpoint_name_keeps_the_named_value_16_bit():
     saved = [v.aval for v in vjp.outvars if v not in vjp.invars and v.aval.shape == (8, 16)]
     assert [a.dtype for a in saved] == [F16]  # `h`, saved as computed
     np.testing.assert_allclose(jax.grad(remat)(w, x), jax.grad(f)(w, x), rtol=5e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "outside", [False, True], ids=["autocast(checkpoint)", "checkpoint(autocast)"]
+)
+def test_a_checkpoint_policy_saves_the_products_it_names(outside, low):
+    # dots_saveable keeps the products, x @ w with a parameter included: the
+    # backward pass recomputes none of them, as without autocast.
+    def layer(w, x):
+        h = jnp.tanh(x @ w)
+        return jnp.sum(jnp.sin(jnp.tanh(h @ h.T) @ h) ** 2)
+
+    def products(policy, wrap):
+        f = jax.checkpoint(layer, policy=policy)
+        f = jax.checkpoint(wrap(layer), policy=policy) if outside else wrap(f)
+        grad = jax.make_jaxpr(jax.grad(f))(_w(4, 4), _w(3, 4, seed=1))
+        return sum(e.primitive.name == "dot_general" for e in all_eqns(grad))
+
+    autocast = functools.partial(mpjax.autocast, dtype=low)
+    for wrap in (lambda f: f, autocast):
+        saved = products(jax.checkpoint_policies.dots_saveable, wrap)
+        recomputed = products(jax.checkpoint_policies.nothing_saveable, wrap)
+        assert recomputed - saved == 3, (wrap, saved, recomputed)
