@@ -41,10 +41,13 @@ def values(scope, x):
 def starts_a_sum(scope, eqn, x) -> bool:
     """Whether `x`, a constant, is a float32 array of zeros, of the result's shape,
     added to a value: the start of a sum (``acc = jnp.zeros(...)``, then ``acc = acc
-    + x @ w``). It widens the add, as a float32 tensor does in torch, so the sum
-    runs in float32. (A Python ``0.0`` is weakly typed and widens nothing, in JAX
-    either; nor does a 0-d float32 zero in torch.)"""
-    if eqn.primitive.name != "add" or scope is None or jax.typeof(x).weak_type:
+    + x @ w``; ``jnp.zeros(n).at[i].add(h)``, ``jax.ops.segment_sum``). It widens the
+    add or scatter-add, as a float32 tensor does in torch, so the sum runs in
+    float32. (A Python ``0.0`` is weakly typed and widens nothing, in JAX either;
+    nor does a 0-d float32 zero in torch.)"""
+    if eqn.primitive.name not in ("add", "scatter-add") or scope is None:
+        return False
+    if jax.typeof(x).weak_type:
         return False
     if jnp.shape(x) != eqn.outvars[0].aval.shape:
         return False

@@ -71,6 +71,8 @@ def policy_rule(ctx, eqn, vals, weak):
         return _convert_rule(ctx, eqn, vals, weak)
     lean = ctx.region.lean
     rule = Rule.ORIGINAL if low is None else policy.equation_rule(eqn, lean=lean)
+    if rule is not Rule.ORIGINAL and not lean and id(eqn) in ctx.max_shifts:
+        rule = Rule.FLOAT32  # the shift of a softmax, part of its exp (`policy.max_shifts`)
     if rule is Rule.LOW and _products.runs_as_written(eqn, vals):
         rule = Rule.ORIGINAL
     if rule is not Rule.ORIGINAL and not _constants.fill_fits(eqn, low):
@@ -246,7 +248,9 @@ def _chooser_float32_tangent(primal, axes):
         chosen = jax.lax.eq(x, jax.lax.reshape(out, shape))
         counts = jax.lax.reduce_sum(convert(chosen, F32, False), tuple(axes))
         t = convert(t, F32, False)
-        picked = jax.lax.select(chosen, t, jnp.zeros_like(t))
+        # t * 0 elsewhere, not 0: an inf or NaN tangent spreads as JAX's
+        # t * chosen makes it (a NaN under a max must reach the gradients).
+        picked = jax.lax.select(chosen, t, t * 0)
         total = jax.lax.reduce_sum(picked, tuple(axes))
         return out, convert(total / counts, dtype_of(out), False)
 

@@ -159,6 +159,8 @@ class Context(NamedTuple):
     """ids of the products whose float32 accumulator a reader takes (`mpjax.fusions`)."""
     arguments: frozenset = frozenset()
     """The variables holding the jaxpr's arguments (parameters), `mpjax.fusions`."""
+    max_shifts: frozenset = frozenset()
+    """ids of the ``x - max(x)`` of a softmax, run in float32 (`policy.max_shifts`)."""
     memo: dict | None = None
     """What rules solved by probing a body (a loop's carry dtypes and hoisted
     casts, a cond's output dtypes), for the whole autocast call: see `solved`."""
@@ -234,6 +236,7 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
         residual_sums=fused.residual_sums,
         accumulated=fused.accumulated,
         arguments=fused.arguments,
+        max_shifts=policy.max_shifts(jaxpr) if jaxpr.eqns else frozenset(),
     )
     pools = _reorder.relu_pools(jaxpr) if jaxpr.eqns and not ctx.region.lean else {}
     relus = frozenset(pools.values())

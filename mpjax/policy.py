@@ -75,8 +75,6 @@ FLOAT32 = _table(Rule.FLOAT32, [
     # accumulating reductions and scans
     "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
     "reduce_window_sum",
-    # the next float after x: a step of float32's precision, as the program asks
-    "nextafter",
 ])
 
 # Several floating inputs that must agree: promote to the widest.
@@ -238,17 +236,28 @@ def rule_for(primitive_name: str, lean: bool = False) -> Rule:
 
 
 def equation_rule(eqn, lean: bool = False) -> Rule:
-    """The rule of one equation: its primitive's, except that a value times itself
-    (``jnp.linalg.norm``, a hand-written RMSNorm) is a square: float32, as
-    ``square`` and torch's ``pow`` and ``norm``, not 16 bits past 256."""
-    a = eqn.invars
-    if eqn.primitive.name == "mul" and a[0] is a[1] and not isinstance(a[0], _compat.Literal):
+    """The rule of one equation: its primitive's, with exceptions by operands.
+
+    A value times itself (``jnp.linalg.norm``, a hand-written RMSNorm) is a
+    square: float32, as ``square`` and torch's ``pow`` and ``norm``, not 16 bits
+    past 256. A Python number divided by a value (``1.0 / x``) is a reciprocal:
+    float32, as ``jnp.reciprocal`` and torch's ``__rdiv__``, not inf below 1.5e-5.
+    A vector dot product (``jnp.vdot``, ``jnp.dot`` of 1-D arrays: one number) runs
+    at the dtypes the program gave it, as torch's ``dot`` (on its promote list):
+    16 bits save nothing there, and a float16 sum of squares overflows past 65504.
+    """
+    a, name = eqn.invars, eqn.primitive.name
+    if name == "mul" and a[0] is a[1] and not isinstance(a[0], _compat.Literal):
         return rule_for("square", lean=lean)
-    if eqn.primitive.name == "gather" and math.prod(eqn.params["slice_sizes"]) == 1:
+    if name == "div" and isinstance(a[0], _compat.Literal):
+        return rule_for("integer_pow", lean=lean)
+    if name == "dot_general" and eqn.outvars[0].aval.shape == ():
+        return Rule.ORIGINAL
+    if name == "gather" and math.prod(eqn.params["slice_sizes"]) == 1:
         # Single elements (jnp.searchsorted, jnp.interp, quantiles, x[i] of a
         # vector), not an embedding's rows: rounded, they fall in other bins.
         return rule_for("gather")
-    return rule_for(eqn.primitive.name, lean=lean)
+    return rule_for(name, lean=lean)
 
 
 def is_castable(dtype) -> bool:
@@ -279,3 +288,40 @@ def float32_only_consumers(jaxpr) -> frozenset:
         if not isinstance(v, _compat.Literal):
             readers.setdefault(v, set()).add(None)
     return frozenset(v for v, rules in readers.items() if rules == {Rule.FLOAT32})
+
+
+# Primitives that carry a reduction's result to the operand's shape unchanged.
+_CARRIERS = frozenset({
+    "broadcast_in_dim", "reshape", "expand_dims", "squeeze", "convert_element_type",
+    "stop_gradient",
+})  # fmt: skip
+
+
+def max_shifts(jaxpr) -> frozenset:
+    """ids of the equations ``x - max(x)``: the shift by the maximum of softmax,
+    log_softmax and logsumexp written out (``jax.nn``, ``optax``, by hand). They
+    run in float32, as torch's ``softmax`` and ``log_softmax`` do: in 16 bits the
+    difference keeps 8 bits (bfloat16) of what the exp or log after it reads."""
+    made_by = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    out = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "sub" and _max_of(made_by, eqn.invars[1]) is eqn.invars[0]:
+            out.add(id(eqn))
+    return frozenset(out)
+
+
+def _max_of(made_by, v):
+    """The variable `v` is the maximum of, through broadcasts and the guard
+    ``max(-inf, m)`` of an empty row; None if it is not one."""
+    src = None if isinstance(v, _compat.Literal) else made_by.get(v)
+    while src is not None:
+        name, ins = src.primitive.name, src.invars
+        if name == "reduce_max":
+            return ins[0]
+        if name == "max" and sum(isinstance(x, _compat.Literal) for x in ins) == 1:
+            src = made_by.get(next(x for x in ins if not isinstance(x, _compat.Literal)))
+        elif name in _CARRIERS and not isinstance(ins[0], _compat.Literal):
+            src = made_by.get(ins[0])
+        else:
+            return None
+    return None

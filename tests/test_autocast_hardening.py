@@ -8,6 +8,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from conftest import F16, F32, all_eqns, rel_tol
@@ -700,9 +701,10 @@ def test_gradients_under_explicit_sharding_are_sharded_as_plain_jax(low):
             return jnp.mean(jnp.square(out - x))
 
         step = jax.jit(jax.value_and_grad(mpjax.autocast(loss, dtype=low)))
-        (value, grads), (value_ref, grads_ref) = step(params, x, ids), jax.jit(
-            jax.value_and_grad(loss)
-        )(params, x, ids)
+        (value, grads), (value_ref, grads_ref) = (
+            step(params, x, ids),
+            jax.jit(jax.value_and_grad(loss))(params, x, ids),
+        )
     np.testing.assert_allclose(value, value_ref, rtol=2e-2)
     for name in params:
         assert jax.typeof(grads[name]) == jax.typeof(grads_ref[name]), name
@@ -783,8 +785,96 @@ def test_export_with_a_symbolic_batch_dimension(low):
     exported = export.export(step)(params, x_spec)
     for n in (3, 5):
         x = jax.random.normal(k[2], (n, 4))
-        (value, grads), (value_ref, grads_ref) = exported.call(params, x), jax.value_and_grad(
-            loss
-        )(params, x)
+        (value, grads), (value_ref, grads_ref) = (
+            exported.call(params, x),
+            jax.value_and_grad(loss)(params, x),
+        )
         np.testing.assert_allclose(value, value_ref, rtol=2e-2)
         chex.assert_trees_all_close(grads, grads_ref, rtol=5e-2, atol=2e-2)
+
+
+# --- operations torch keeps in float32 or promotes ---------------------------------
+
+
+def _logits(low):
+    """16-bit logits from a product, and the float32 values they hold."""
+    x = jnp.array([[5.0, -0.0123, 4.9, 1.3], [0.5, 2.25, -3.0, 0.1]])
+    eye = jnp.eye(4)
+    return x, eye, x.astype(low).astype(F32)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda s: jax.nn.log_softmax(s),
+        lambda s: jax.nn.softmax(s),
+        lambda s: optax.softmax_cross_entropy(s, jnp.eye(4)[jnp.array([1, 2])]),
+    ],
+    ids=["log_softmax", "softmax", "softmax_cross_entropy"],
+)
+def test_the_softmax_shift_by_the_maximum_runs_in_float32(fn, low):
+    # torch's softmax and log_softmax compute in float32 on 16-bit logits: the
+    # difference x - max(x) keeps all its bits (-5.0123 is -5.0 in bfloat16).
+    x, eye, held = _logits(low)
+    out = mpjax.autocast(lambda x, w: fn(x @ w), dtype=low)(x, eye)
+    np.testing.assert_allclose(out.astype(F32), fn(held), rtol=1e-6, atol=1e-6)
+
+
+def test_a_vector_dot_product_runs_as_written(low):
+    # torch's dot is on its promote list; a float16 sum of squares overflows.
+    w = jnp.full(8, 95.0)  # |w|**2 = 72200
+
+    def f(w, x, v):
+        return jnp.mean(x @ v) + 1e-4 * jnp.vdot(w, w) + 1e-4 * jnp.dot(w, w)
+
+    x, v = _xw()
+    out = mpjax.autocast(f, dtype=low)(w, x, v[:, :1].repeat(8, 0)[:8])
+    np.testing.assert_allclose(out, f(w, x, v[:, :1].repeat(8, 0)[:8]), rtol=rel_tol(low))
+
+
+def test_a_number_divided_by_a_value_is_a_float32_reciprocal(low):
+    x = jnp.full((2, 4), 1e-5)
+
+    def f(x, w):
+        h = x @ w
+        return 1.0 / h, 3 / h
+
+    w = jnp.eye(4)
+    for got, want in zip(mpjax.autocast(f, dtype=low)(x, w), f(x.astype(low).astype(F32), w)):
+        assert got.dtype == F32
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_nextafter_steps_in_the_dtype_of_its_16_bit_operands(low):
+    x16 = jnp.array([1.0, 2.0, 0.1], F16)
+    nxt = lambda x: jnp.nextafter(x, jnp.inf)  # noqa: E731
+    chex.assert_trees_all_equal(mpjax.autocast(nxt, dtype=low)(x16), nxt(x16))
+    chex.assert_trees_all_equal(mpjax.autocast(jnp.spacing, dtype=low)(x16), jnp.spacing(x16))
+    key, bf16 = jax.random.key(0), jnp.bfloat16
+    sample = lambda k: jax.random.truncated_normal(k, -1.0, 1.0, (20000,), dtype=bf16)  # noqa: E731
+    assert jnp.all(jnp.abs(mpjax.autocast(sample, dtype=low)(key).astype(F32)) < 1.0)
+
+
+def test_a_scatter_add_into_float32_zeros_sums_in_float32(low):
+    # jax.ops.segment_sum and .at[].add start from zeros of the traced dtype.
+    def f(x, w):
+        h = x @ w  # 4096 rows of 20
+        seg = jnp.zeros(4096, jnp.int32)
+        return jax.ops.segment_sum(h, seg, 2), jnp.zeros((2, 4)).at[seg].add(h)
+
+    x, w = jnp.full((4096, 4), 20.0), jnp.eye(4)
+    for got in mpjax.autocast(f, dtype=low)(x, w):
+        assert got.dtype == F32
+        np.testing.assert_array_equal(got[0], jnp.full(4, 81920.0))
+
+
+def test_a_nan_under_a_maximum_reaches_the_gradient(low):
+    # As JAX's own derivative of max: the gradient scaler must see the step's NaN.
+    def f(x, w):
+        return jnp.sum(jnp.max(x @ w, axis=-1))
+
+    x = jnp.ones((2, 4)).at[0, 1].set(jnp.nan)
+    want = jax.grad(f, argnums=1)(x, jnp.eye(4))
+    got = jax.grad(mpjax.autocast(f, dtype=low), argnums=1)(x, jnp.eye(4))
+    assert not jnp.isfinite(want).all()
+    chex.assert_trees_all_equal(jnp.isnan(got), jnp.isnan(want))
