@@ -19,6 +19,19 @@ MIN_LOG2, MAX_LOG2 = -14, 64  # grad_scaler's default min_scale; far beyond any 
 _KEY = re.compile(r"\['([^']*)'\]|\[(\d+)\]|\.(\w+)")
 
 
+def underflowing(leaves) -> list:
+    """The leaves that lose more than `UNDERFLOW_SHARE` of their gradient to zero,
+    but for one whose float32 gradient is `NEGLIGIBLE` times below the largest:
+    zero in exact arithmetic most likely (the bias of a layer a normalization
+    follows, whose float32 gradient is rounding noise), not a loss of range."""
+    largest = max((leaf.reference_max_abs for leaf in leaves), default=0.0)
+    return [
+        leaf
+        for leaf in leaves
+        if leaf.underflow > UNDERFLOW_SHARE and leaf.reference_max_abs > NEGLIGIBLE * largest
+    ]
+
+
 def recommended_scale(largest: float) -> float | None:
     """``2**k``: the largest power of two with ``2**k * largest * HEADROOM <= 65504``.
 
@@ -158,7 +171,7 @@ def _scale(run, layers) -> list[str]:
             f"itself, or the step overflows at scale 1 too. Keep {where} in float32 with "
             "a nested `mpjax.autocast(fn, enabled=False)`, or use bfloat16."
         ]
-    under = [leaf for leaf in run.leaves if leaf.underflow > UNDERFLOW_SHARE]
+    under = underflowing(run.leaves)
     if rec > s and under:
         return _raise_scale(run, layers, under, fits)
     if rec < s:
@@ -207,7 +220,7 @@ def _raise_scale(run, layers, under, fits) -> list[str]:
 
 def _still_under(run, layers, even="") -> list[str]:
     """The parameters that lose gradients at the recommended scale, if measured there."""
-    still = [leaf for leaf in run.leaves_at_recommended if leaf.underflow > UNDERFLOW_SHARE]
+    still = underflowing(run.leaves_at_recommended)
     if not still:
         return []
     return [

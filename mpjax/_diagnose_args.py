@@ -78,7 +78,10 @@ def unwrap(fun):
 
 
 def is_float(x) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+    """Whether `x` is a floating array (or aval); not any object with a `dtype`
+    field: a Flax Linen layer's is None."""
+    dtype = getattr(x, "dtype", None)
+    return isinstance(dtype, np.dtype) and jnp.issubdtype(dtype, jnp.floating)
 
 
 class Problem(NamedTuple):
@@ -144,7 +147,21 @@ def _loss_of(out, has_aux):
             f"diagnose: loss_fn returned a tuple of {len(out)}; if it returns (loss, aux), "
             "pass has_aux=True."
         )
+    if not isinstance(out, (jax.Array, np.ndarray, np.generic, numbers.Number)):
+        raise TypeError(
+            f"diagnose: loss_fn must return a floating-point scalar loss, got a "
+            f"{type(out).__name__}. Pass the loss function itself, not its gradient "
+            "function (jax.grad(f)); to return metrics too, return (loss, metrics) and "
+            "pass has_aux=True."
+        )
     loss = jnp.asarray(out)
+    if loss.dtype == jnp.float16:
+        raise TypeError(
+            "diagnose: loss_fn returns a float16 loss. Its gradient's seed, the loss "
+            "scale, is then rounded to float16, and overflows past 65504: return the "
+            "loss in float32 (loss.astype(jnp.float32)); mpjax.autocast's reductions "
+            "return float32 by themselves."
+        )
     if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
         raise TypeError(
             f"diagnose: loss_fn must return a floating-point scalar loss, got "

@@ -323,8 +323,7 @@ def _scale_figures(program, low, problem, reference):
     if recommended is None or recommended == low.scale:
         return largest, recommended, ()
     leaves = _leaf_gradients(problem, low, reference, low.scale)
-    underflow = any(leaf.underflow > advice.UNDERFLOW_SHARE for leaf in leaves)
-    if recommended > low.scale and not underflow:
+    if recommended > low.scale and not advice.underflowing(leaves):
         return largest, recommended, ()
     # Measured again where raising the scale brings gradients back, and where
     # lowering it (out of an overflow) may lose small ones.

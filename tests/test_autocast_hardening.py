@@ -878,3 +878,22 @@ def test_a_nan_under_a_maximum_reaches_the_gradient(low):
     got = jax.grad(mpjax.autocast(f, dtype=low), argnums=1)(x, jnp.eye(4))
     assert not jnp.isfinite(want).all()
     chex.assert_trees_all_equal(jnp.isnan(got), jnp.isnan(want))
+
+
+def test_a_callback_without_operands_is_a_run_time_value(low):
+    # Not a constant computed from literals: it runs when the program does, and
+    # its value (1e5, beyond float16) is what the program computes with.
+    calls = []
+
+    def read():
+        calls.append(1)
+        return np.full((3, 4), 1e5, np.float32)
+
+    def f(w, x):
+        s = jax.pure_callback(read, jax.ShapeDtypeStruct((3, 4), F32))
+        return jnp.where(x > 0, x @ w, s)
+
+    w, x = jnp.eye(4), -jnp.ones((3, 4))
+    jax.make_jaxpr(mpjax.autocast(f, dtype=low))(w, x)
+    assert not calls  # tracing runs no callback
+    np.testing.assert_array_equal(jax.jit(mpjax.autocast(f, dtype=low))(w, x), f(w, x))

@@ -499,3 +499,51 @@ def test_a_lowered_scale_is_checked_for_gradients_it_loses():
     assert "Start from init_scale=2**3" in report.recommendations[-2]
     assert "1 parameter(s) underflow at 2**3" in report.recommendations[-1]
     assert "worst `['small']`, 100.0%" in report.recommendations[-1]
+
+
+class M(nn.Module):  # Dense, then BatchNorm
+    @nn.compact
+    def __call__(self, x):
+        x = nn.BatchNorm(use_running_average=False)(nn.Dense(16)(x))
+        return nn.Dense(3)(nn.relu(x))
+
+
+def test_the_bias_before_a_normalization_is_not_called_an_underflow():
+    # Its gradient is zero in exact arithmetic: rounding noise in float32, which
+    # float16 makes zero in some elements, by the seed.
+    model, noisy = M(), 0
+    for seed in range(6):
+        x, y = jax.random.normal(jax.random.key(2 + seed), (8, 8)), jnp.arange(8) % 3
+        v = model.init(jax.random.key(3 + seed), x)
+
+        def loss_fn(params, x, y, v=v):
+            variables = {"params": params, "batch_stats": v["batch_stats"]}
+            logits, _ = model.apply(variables, x, mutable=["batch_stats"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        report = mpjax.diagnose(loss_fn, v["params"], x, y)
+        bias = next(leaf for leaf in report.runs[0].leaves if "Dense_0']['bias" in leaf.path)
+        assert bias.reference_max_abs < 1e-6
+        noisy += bias.underflow > 0.01
+        assert not any("Dense_0" in r for r in report.recommendations)
+    assert noisy  # the case arose
+
+
+@pytest.mark.parametrize(
+    "loss_fn, message",
+    [
+        (jax.grad(lambda p, x: jnp.sum(x @ p["w"])), "not its gradient function"),
+        (lambda p, x: {"loss": jnp.sum(x @ p["w"])}, "got a dict"),
+        (lambda p, x: jnp.sum(x @ p["w"]).astype(jnp.float16), "returns a float16 loss"),
+    ],
+    ids=["gradient function", "dict of metrics", "float16 loss"],
+)
+def test_a_loss_that_is_no_float32_scalar_is_refused_with_the_fix(loss_fn, message):
+    with pytest.raises(TypeError, match=message):
+        mpjax.diagnose(loss_fn, {"w": jnp.ones((4, 2))}, jnp.ones((3, 4)))
+
+
+def test_a_linen_layer_passed_as_params_is_refused_with_the_fix():
+    # Its `dtype` field is None: not a floating array.
+    with pytest.raises(ValueError, match="holds no floating-point arrays"):
+        mpjax.diagnose(lambda m, x: jnp.sum(x), nn.Dense(3), jnp.ones((2, 3)))
