@@ -19,17 +19,19 @@ MIN_LOG2, MAX_LOG2 = -14, 64  # grad_scaler's default min_scale; far beyond any 
 _KEY = re.compile(r"\['([^']*)'\]|\[(\d+)\]|\.(\w+)")
 
 
-def underflowing(leaves) -> list:
-    """The leaves that lose more than `UNDERFLOW_SHARE` of their gradient to zero,
-    but for one whose float32 gradient is `NEGLIGIBLE` times below the largest:
-    zero in exact arithmetic most likely (the bias of a layer a normalization
-    follows, whose float32 gradient is rounding noise), not a loss of range."""
+def underflowing(leaves, scale: float) -> list:
+    """The leaves that lose more than `UNDERFLOW_SHARE` of their gradient to zero in
+    float16 at `scale`, but for one whose float32 gradient float16 holds at that
+    scale and is `NEGLIGIBLE` times below the largest: zero in exact arithmetic
+    most likely (the bias of a layer a normalization follows, whose float32
+    gradient is rounding noise), not a loss of range."""
     largest = max((leaf.reference_max_abs for leaf in leaves), default=0.0)
-    return [
-        leaf
-        for leaf in leaves
-        if leaf.underflow > UNDERFLOW_SHARE and leaf.reference_max_abs > NEGLIGIBLE * largest
-    ]
+
+    def noise(leaf) -> bool:
+        held = leaf.reference_max_abs * scale >= RANGES["float16"][1]
+        return held and leaf.reference_max_abs <= NEGLIGIBLE * largest
+
+    return [leaf for leaf in leaves if leaf.underflow > UNDERFLOW_SHARE and not noise(leaf)]
 
 
 def recommended_scale(largest: float) -> float | None:
@@ -171,7 +173,7 @@ def _scale(run, layers) -> list[str]:
             f"itself, or the step overflows at scale 1 too. Keep {where} in float32 with "
             "a nested `mpjax.autocast(fn, enabled=False)`, or use bfloat16."
         ]
-    under = underflowing(run.leaves)
+    under = underflowing(run.leaves, run.scale)
     if rec > s and under:
         return _raise_scale(run, layers, under, fits)
     if rec < s:
@@ -220,7 +222,7 @@ def _raise_scale(run, layers, under, fits) -> list[str]:
 
 def _still_under(run, layers, even="") -> list[str]:
     """The parameters that lose gradients at the recommended scale, if measured there."""
-    still = underflowing(run.leaves_at_recommended)
+    still = underflowing(run.leaves_at_recommended, run.recommended_scale)
     if not still:
         return []
     return [

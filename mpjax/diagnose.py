@@ -323,7 +323,7 @@ def _scale_figures(program, low, problem, reference):
     if recommended is None or recommended == low.scale:
         return largest, recommended, ()
     leaves = _leaf_gradients(problem, low, reference, low.scale)
-    if recommended > low.scale and not advice.underflowing(leaves):
+    if recommended > low.scale and not advice.underflowing(leaves, low.scale):
         return largest, recommended, ()
     # Measured again where raising the scale brings gradients back, and where
     # lowering it (out of an overflow) may lose small ones.
