@@ -67,3 +67,14 @@ def explicit_sharding(aval):
     mesh = getattr(sharding, "mesh", None)
     explicit = jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
     return sharding if explicit else None
+
+
+def constrained(values, shardings):
+    """`values`, each constrained to its sharding where one is given (a nested
+    jit's ``out_shardings=``), not where it is left to the compiler."""
+    if not shardings:
+        return values
+    return [
+        jax.lax.with_sharding_constraint(x, s) if isinstance(s, jax.sharding.Sharding) else x
+        for x, s in zip(values, shardings, strict=True)
+    ]

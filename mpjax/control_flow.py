@@ -18,18 +18,20 @@ from jax import lax
 
 from mpjax import _compat, _products
 from mpjax import policy
-from mpjax._casting import dtype_of
+from mpjax._casting import constrained, dtype_of
 from mpjax.interpreter import HIGHER_ORDER, Context, Scope, eval_closed, eval_jaxpr
 
 
 def _inline_call(ctx: Context, eqn, vals, weak):
     """A nested jit is inlined, so its casts share the caller's scope. Its
     equations are named ``jit(name)`` in the name stack, as JAX names a call's,
-    so that a profile or `mpjax.diagnose` tells them from a module named alike."""
+    so that a profile or `mpjax.diagnose` tells them from a module named alike.
+    The shardings it names for its arguments and results are kept, as constraints."""
     closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    vals = constrained(vals, eqn.params.get("in_shardings"))
     with jax.named_scope(f"jit({eqn.params.get('name', eqn.primitive.name)})"):
         outs, _ = eval_closed(ctx, closed, vals, weak)
-    return outs
+    return constrained(outs, eqn.params.get("out_shardings"))
 
 
 def _remat(ctx: Context, eqn, vals, weak):
@@ -337,7 +339,7 @@ def _while(ctx: Context, eqn, vals, weak):
     for _, i, dtype, w in requests:  # loop-invariant casts, made once outside the loop
         ctx.scope.cast(body_consts[i], dtype, w)
 
-    def cond_fn(carry):
+    def pred(carry):
         outs, _ = eval_closed(
             ctx.child(),
             params["cond_jaxpr"],
@@ -354,7 +356,26 @@ def _while(ctx: Context, eqn, vals, weak):
     abstract = _abstract(ctx, eqn, carry_dtypes)
     if abstract is not None:
         return abstract
-    return list(lax.while_loop(cond_fn, body_fn, init))
+    if params["cond_jaxpr"].out_avals[0].shape:
+        return _while_per_element(pred, body_fn, init)
+    return list(lax.while_loop(pred, body_fn, init))
+
+
+def _while_per_element(pred, body_fn, init):
+    """A while whose predicate is an array (`jax.vmap` of a loop with a trip count
+    per example): it runs while any element's holds, and each carry's leading
+    elements step only while theirs does, as the `while` primitive's lowering does."""
+
+    def body(carry):
+        keep = pred(carry)
+        new = body_fn(carry)
+        dims = tuple(range(keep.ndim))
+        return [
+            lax.select(lax.broadcast_in_dim(keep, jnp.shape(n), dims), n, c)
+            for n, c in zip(new, carry)
+        ]
+
+    return list(lax.while_loop(lambda c: jnp.any(pred(c)), body, init))
 
 
 # The table: primitive name -> rule. custom_vjp_call is deliberately absent: it

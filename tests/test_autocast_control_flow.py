@@ -391,3 +391,35 @@ def test_a_checkpoint_policy_saves_the_products_it_names(outside, low):
         saved = products(jax.checkpoint_policies.dots_saveable, wrap)
         recomputed = products(jax.checkpoint_policies.nothing_saveable, wrap)
         assert recomputed - saved == 3, (wrap, saved, recomputed)
+
+
+def test_a_loop_with_a_trip_count_per_example_under_vmap(low):
+    # vmap makes the while's predicate an array: each example stops on its own.
+    def f(w, c, n):
+        return lax.fori_loop(0, n, lambda i, c: jnp.tanh(c @ w) * 1.5, c)
+
+    batched = jax.vmap(f, in_axes=(None, None, 0))
+    w, c = _w(4, 4), _w(3, 4, seed=1)
+    n = jnp.array([0, 1, 3, 5])
+    got = mpjax.autocast(batched, dtype=low)(w, c, n)
+    assert got.dtype == F32
+    np.testing.assert_allclose(got, batched(w, c, n), rtol=rel_tol(low), atol=rel_tol(low))
+    np.testing.assert_array_equal(got[0], c)  # no step taken
+
+
+def test_a_nested_jits_shardings_are_kept():
+    from jax.sharding import AxisType, NamedSharding
+
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Auto,))
+    rows = NamedSharding(mesh, P("x", None))
+    layer = jax.jit(lambda a, w: jnp.tanh(a @ w), in_shardings=(rows, None), out_shardings=rows)
+
+    def f(w, x):
+        return layer(x, w) * 2
+
+    w, x = _w(4, 4), _w(8, 4, seed=1)
+    got = jax.jit(mpjax.autocast(f))(w, x)
+    assert got.sharding.is_equivalent_to(rows, 2)
+    program = jax.make_jaxpr(mpjax.autocast(f))(w, x)
+    constraints = [e for e in all_eqns(program) if e.primitive.name == "sharding_constraint"]
+    assert len(constraints) == 2  # the argument and the result
