@@ -57,9 +57,23 @@ def no_leaks():
     yield
     # A traced value that was not in the module before the call is one of the call's
     # own trace, which has ended: it escaped it.
-    if any(is_tracer(x) and id(x) not in before for x in jax.tree.leaves(module.variables)):
-        raise ValueError(
-            "autocast: the function stored a traced value in the Flax Linen module "
-            "it runs in (a parameter created at init, or a sow): it would leak out "
-            "as a tracer. " + _FIX
+    flat = jax.tree_util.tree_flatten_with_path(module.variables)[0]
+    new = [path for path, x in flat if is_tracer(x) and id(x) not in before]
+    if not new:
+        return
+    where = ", ".join(jax.tree_util.keystr(p) for p in new[:3]) + (" ..." if len(new) > 3 else "")
+    if any(str(getattr(p[0], "key", "")) == "params" for p in new):
+        what = "parameters created at init"
+        fix = _FIX
+    else:  # batch_stats in training, a decode cache, a sow
+        what = "the update of a mutable collection (BatchNorm's statistics, a decode cache, a sow)"
+        fix = (
+            "A region traced apart from the module cannot write to it: call that layer "
+            "outside the nested autocast region (its own dtype= argument sets its "
+            "precision); the model autocast from outside, mpjax.autocast(model.apply)"
+            "(variables, x, mutable=[...]), carries such updates out."
         )
+    raise ValueError(
+        f"autocast: the function stored traced values in the Flax Linen module it runs "
+        f"in, at {where}: {what}, which would leak out as tracers. {fix}"
+    )

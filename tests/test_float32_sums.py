@@ -386,3 +386,24 @@ def test_collectives_sum_in_float32_unless_reduce_dtype_asks(low):
     np.testing.assert_array_equal(
         jax.jit(mpjax.autocast(fun, dtype=low))(x, w), jax.jit(fun)(x.astype(F32), w.astype(F32))
     )
+
+
+def test_vmap_inside_autocast_or_grad_inside_vmap_sums_in_float32(low):
+    # The documented ways to batch: an unbatched 16-bit activation (tanh(s @ w))
+    # meets batched ones; its gradient's sum over the batch stays float32.
+    w = 0.3 * jax.random.normal(jax.random.key(0), (8, 8))
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    s = jax.random.normal(jax.random.key(2), (8,))
+
+    def per_example(s, x):
+        return jnp.sum(jnp.tanh(x @ w) * jnp.tanh(s @ w))
+
+    def inside(s):
+        return jnp.mean(mpjax.autocast(jax.vmap(per_example, (None, 0)), dtype=low)(s, x))
+
+    outside = jax.vmap(jax.grad(mpjax.autocast(per_example, dtype=low)), (None, 0))
+    want = jax.grad(lambda s: jnp.mean(jax.vmap(per_example, (None, 0))(s, x)))(s)
+    for got in (jax.grad(inside)(s), jnp.mean(outside(s, x), 0)):
+        np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2)
+    for program in (jax.make_jaxpr(jax.grad(inside))(s), jax.make_jaxpr(outside)(s, x)):
+        assert sixteen_bit_sums(program) == []

@@ -379,7 +379,7 @@ def test_autocast_inside_a_linen_method_names_model_apply():
     x = jnp.ones((2, 4))
     with pytest.raises(TypeError, match=r"Linen module _DecoratedMethod.*autocast\(model\.apply\)"):
         _DecoratedMethod().init(jax.random.key(0), x)
-    with pytest.raises(ValueError, match=r"stored a traced value.*autocast\(model\.apply\)"):
+    with pytest.raises(ValueError, match=r"stored traced values.*autocast\(model\.apply\)"):
         _ClosureCreatingLayers().init(jax.random.key(0), x)
     # Reading existing parameters inside a method traces nothing into the module: it
     # works, in 16 bits, with the gradients of the parameters it closes over.
@@ -394,3 +394,21 @@ def test_autocast_inside_a_linen_method_names_model_apply():
     jaxpr = jax.make_jaxpr(lambda v: model.apply(v, x))(variables)
     dots = [e for e in all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
     assert [v.aval.dtype for e in dots for v in e.invars] == [jnp.float16] * 2
+
+
+class _NestedBatchNorm(nn.Module):
+    @nn.compact
+    def __call__(self, x, cast=True):
+        norm = nn.BatchNorm(use_running_average=False)
+        h = nn.Dense(4)(x)
+        return mpjax.autocast(norm, dtype=jnp.bfloat16)(h) if cast else norm(h)
+
+
+def test_a_nested_region_updating_a_mutable_collection_names_it():
+    x = jnp.ones((2, 4))
+    variables = _NestedBatchNorm().init(jax.random.key(0), x, cast=False)
+    apply = mpjax.autocast(_NestedBatchNorm().apply)
+    with pytest.raises(
+        ValueError, match=r"\['batch_stats'\].*mutable collection.*outside the nested"
+    ):
+        apply(variables, x, mutable=["batch_stats"])
