@@ -71,10 +71,16 @@ def explicit_sharding(aval):
 
 def constrained(values, shardings):
     """`values`, each constrained to its sharding where one is given (a nested
-    jit's ``out_shardings=``), not where it is left to the compiler."""
+    jit's ``out_shardings=``), not where it is left to the compiler, nor on a mesh
+    with explicit axes, where the values' types carry their shardings (and a
+    constraint only asserts)."""
+
+    def one(x, s):
+        types = getattr(getattr(s, "mesh", None), "axis_types", ())
+        if not isinstance(s, jax.sharding.Sharding) or jax.sharding.AxisType.Explicit in types:
+            return x
+        return jax.lax.with_sharding_constraint(x, s)
+
     if not shardings:
         return values
-    return [
-        jax.lax.with_sharding_constraint(x, s) if isinstance(s, jax.sharding.Sharding) else x
-        for x, s in zip(values, shardings, strict=True)
-    ]
+    return [one(x, s) for x, s in zip(values, shardings, strict=True)]

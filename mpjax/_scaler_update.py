@@ -205,7 +205,9 @@ def _bad_updates(config: ScalerConfig, updates, state, inner_state) -> jax.Array
     would never move again). Such a step is skipped too; the scale is not at
     fault and is not backed off."""
     bad = _nonfinite_flags(config, updates, {}, state.scale)[0]
-    return bad | _breaks(config, state.inner_state, inner_state)
+    broke = _breaks(config, state.inner_state, inner_state)
+    _check_agreed(config, broke, state.scale)
+    return bad | broke
 
 
 def _breaks(config: ScalerConfig, old, new) -> jax.Array:
@@ -265,16 +267,6 @@ def _nonfinite_flags(config: ScalerConfig, tree, subtrees, scale, read=None):
         # a segment of its own past the end, which segment_any drops.
         segments = [index.get(_subtrees.name(flat[j][0], depth), len(names)) for j in order]
         by_subtree = _finite.segment_any(flags, segments, len(names))
-    lone = _lone_axes(nonfinite, scale)
-    if config.axis_name is None and lone:
-        # Each device would decide alone on a state they share: replicas drift.
-        raise ValueError(
-            "grad_scaler update: inside shard_map, the gradients differ between "
-            f"devices along the mesh axes {lone} and the scaler's state does not, so "
-            "each device would decide alone whether to skip the step. Pass axis_name "
-            "(grad_scaler(inner, axis_name=...)) to combine the finite check over "
-            "those axes, or all-reduce the gradients (lax.pmean) first."
-        )
     if config.axis_name is not None:
         # Every device must take the same branch, or replicas drift apart.
         local = [nonfinite[None]] + ([by_subtree] if subtrees else [])
@@ -282,7 +274,30 @@ def _nonfinite_flags(config: ScalerConfig, tree, subtrees, scale, read=None):
         nonfinite = total[0] > 0
         if subtrees:
             by_subtree = total[1:] > 0
+    _check_agreed(config, nonfinite, scale)
     return nonfinite, SubtreeFlags(names, by_subtree) if subtrees else subtrees
+
+
+def _check_agreed(config: ScalerConfig, flag, scale) -> None:
+    """A ValueError if, inside shard_map, `flag` still differs between devices
+    along mesh axes the scaler's state does not: each would decide alone whether
+    to skip the step on a state they share, and replicas would drift apart."""
+    lone = _lone_axes(flag, scale)
+    if not lone:
+        return
+    fix = (
+        "Pass axis_name (grad_scaler(inner, axis_name=...)) to combine the finite check "
+        "over those axes"
+        if config.axis_name is None
+        else f"axis_name={config.axis_name!r} combines it over the others only: name "
+        "every axis the gradients are split along"
+    )
+    raise ValueError(
+        "grad_scaler update: inside shard_map, the gradients differ between devices "
+        f"along the mesh axes {lone} and the scaler's state does not, so each device "
+        f"would decide alone whether to skip the step. {fix}, or all-reduce the "
+        "gradients (lax.pmean) first."
+    )
 
 
 def _lone_axes(flag, shared) -> tuple:

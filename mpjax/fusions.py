@@ -204,7 +204,7 @@ def _arguments(jaxpr) -> frozenset:
     found = set(jaxpr.invars) | set(jaxpr.constvars)
     for eqn in jaxpr.eqns:
         ins = list(filter(_is_var, eqn.invars))
-        if eqn.primitive.name in policy.LAYOUT and len(ins) == 1 and ins[0] in found:
+        if eqn.primitive.name in policy.CARRY_PARAMETERS and len(ins) == 1 and ins[0] in found:
             found.update(eqn.outvars)
     return frozenset(found)
 

@@ -108,7 +108,7 @@ AS_RECEIVED = _table(Rule.AS_RECEIVED, [
     "argmax", "argmin", "cummax", "cummin", "sort", "top_k", "approx_top_k",
     "reduce_window_max", "reduce_window_min",
     # collectives
-    "psum", "pmax", "pmin", "ppermute", "all_gather", "all_to_all",
+    "psum", "psum_invariant", "pmax", "pmin", "ppermute", "all_gather", "all_to_all",
     "psum_scatter", "reduce_scatter", "axis_index", "pbroadcast",
 ])
 
@@ -187,8 +187,14 @@ POINTWISE = frozenset({
 LAYOUT = frozenset({
     "reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "slice",
     "rev", "copy", "copy_p", "sharding_constraint", "split", "concatenate", "name",
+    # where the values lie, not what they are
+    "reshard", "mesh_cast", "device_put", "pvary",
 })
 # fmt: on
+
+# A parameter stays one through these, and through the all_gather of its shards
+# (FSDP under shard_map): its products' gradients are float32 sums (`mpjax.fusions`).
+CARRY_PARAMETERS = LAYOUT | frozenset({"all_gather"})
 
 # The memory-lean policy changes these rules. An embedding lookup gathers from a
 # low-precision table, so the activations it starts are low precision.

@@ -423,3 +423,19 @@ def test_a_nested_jits_shardings_are_kept():
     program = jax.make_jaxpr(mpjax.autocast(f))(w, x)
     constraints = [e for e in all_eqns(program) if e.primitive.name == "sharding_constraint"]
     assert len(constraints) == 2  # the argument and the result
+
+
+def test_a_nested_jit_with_shardings_on_an_explicit_mesh_runs_as_without_autocast():
+    from jax.sharding import AxisType, NamedSharding
+
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,))
+    layer = jax.jit(lambda a, w: jnp.tanh(a @ w), out_shardings=NamedSharding(mesh, P(None, "x")))
+
+    def f(w, a):
+        return layer(a, w) * 2
+
+    with jax.set_mesh(mesh):
+        a = jax.device_put(_w(8, 4, seed=1), P("x", None))
+        want, got = jax.jit(f)(_w(4, 4), a), jax.jit(mpjax.autocast(f))(_w(4, 4), a)
+    assert got.sharding.is_equivalent_to(want.sharding, 2)
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)

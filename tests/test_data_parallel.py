@@ -371,3 +371,86 @@ def test_explicit_sharding_makes_the_collectives_plain_jax_makes(policy):
         assert cast == plain and [kind for _, kind in plain] == ["all-reduce"]
         grads = jax.jit(jax.grad(mpjax.autocast(loss, policy=policy)))(params, x)
         chex.assert_trees_all_close(grads, jax.grad(loss)(params, x), rtol=2e-2, atol=1e-6)
+
+
+def _weight_gradient_products(text: str) -> set:
+    return set(re.findall(r"stablehlo.dot_general.*-> (tensor<4x4x\w+>)", text))
+
+
+@pytest.mark.parametrize("reach", ["shard_map", "device_put"])
+def test_a_weight_reached_through_sharding_keeps_a_float32_gradient(reach):
+    # shard_map inserts a pvary before the replicated weight's product; FSDP code
+    # moves the weight with device_put (or reshard). It is still a parameter: its
+    # gradient is a float32 sum, never rounded to 16 bits on a device.
+    mesh = jax.make_mesh((N_DEV,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    w, x = jnp.full((4, 4), 0.01), jnp.full((8 * N_DEV, 4), 64.0)
+
+    def loss(w, x):
+        return jnp.mean(x @ w)
+
+    if reach == "shard_map":
+        specs = dict(mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
+        f = jax.shard_map(lambda w, x: lax.pmean(loss(w, x), "d"), **specs)
+    else:
+        f = lambda w, x: loss(jax.device_put(w, NamedSharding(mesh, P())), x)  # noqa: E731
+    text = jax.jit(jax.grad(mpjax.autocast(f))).lower(w, x).as_text()
+    assert _weight_gradient_products(text) == {"tensor<4x4xf32>"}
+    # 16 per entry, times 2**15 and split over the devices: 65536 on each before
+    # the all-reduce, beyond float16.
+    tx = mpjax.grad_scaler(optax.sgd(0.1), init_scale=2.0**15)
+    _, g = jax.jit(mpjax.scaled_value_and_grad(mpjax.autocast(f), tx.init(w)))(w, x)
+    np.testing.assert_allclose(g, jnp.full((4, 4), 16.0), rtol=1e-6)
+
+
+def test_a_weight_resharded_under_explicit_sharding_keeps_a_float32_all_reduce():
+    from jax.sharding import AxisType, reshard
+
+    mesh = jax.make_mesh((N_DEV,), ("data",), axis_types=(AxisType.Explicit,))
+    x, w = jnp.ones((8 * N_DEV, 32)), jnp.full((32, 16), 0.01)
+
+    def loss(w, x):  # FSDP: gather the weight, then multiply
+        return jnp.mean(jnp.tanh(x @ reshard(w, P())) ** 2)
+
+    with jax.set_mesh(mesh):
+        xs, ws = jax.device_put(x, P("data", None)), jax.device_put(w, P("data", None))
+        text = jax.jit(jax.grad(mpjax.autocast(loss))).lower(ws, xs).compile().as_text()
+    reduced = re.findall(r"= (\w+)\[[\d,]*\]\S* all-reduce(?:-start)?\(", text)
+    assert reduced and set(reduced) == {"f32"}
+
+
+def test_psum_inside_shard_map_follows_reduce_dtype():
+    # With check_vma (the default), lax.psum binds psum_invariant.
+    mesh = jax.make_mesh((N_DEV,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    w, x = jnp.full((4, 4), 0.1), jnp.ones((2 * N_DEV, 4))
+    body = lambda w, x: lax.psum(x @ w, "d")  # noqa: E731
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
+    for reduce_dtype, want in ((jnp.float16, "f16"), (jnp.float32, "f32")):
+        g = mpjax.autocast(f, reduce_dtype=reduce_dtype)
+        text = jax.jit(g).lower(w, x).as_text()
+        assert re.findall(r"\}\) : \(tensor<2x4x(\w+)>\)", text) == [want]
+
+
+def test_a_partial_axis_name_is_refused_with_the_missing_axes():
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    tx = mpjax.grad_scaler(optax.adam(1e-3), axis_name="a")
+    params = {"w": jnp.ones(16)}
+    state = tx.init(params)
+    specs = {"w": P(("a", "b"))}
+    state_specs = jax.tree.map(lambda _: P(), state)
+    state_specs = state_specs._replace(
+        inner_state=jax.tree.map(lambda _: P(("a", "b")), state.inner_state)
+    )
+    state_specs = jax.tree.map(
+        lambda s, x: P() if jnp.ndim(x) == 0 else s,
+        state_specs,
+        state,
+        is_leaf=lambda s: isinstance(s, P),
+    )
+    step = jax.shard_map(
+        lambda p, s, g: tx.update(g, s, p),
+        mesh=mesh,
+        in_specs=(specs, state_specs, specs),
+        out_specs=(specs, state_specs),
+    )
+    with pytest.raises(ValueError, match=r"mesh axes \('b',\).*axis_name='a' combines"):
+        jax.jit(step)(params, state, params)
