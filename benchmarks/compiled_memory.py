@@ -64,7 +64,9 @@ def table(results: dict) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES)
-    parser.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS))
+    parser.add_argument(
+        "--variants", nargs="*", default=list(DEFAULT_VARIANTS), choices=sorted(VARIANTS)
+    )
     parser.add_argument("--size", default="full", choices=sorted(SIZES))
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)

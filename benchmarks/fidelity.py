@@ -24,7 +24,7 @@ import numpy as np
 
 from benchmarks.models import SIZES
 from benchmarks.peers.compare import _at_most
-from benchmarks.timing import _rel
+from benchmarks.timing import _rel, at_least_one
 from benchmarks.variants import VARIANTS, value_fn
 
 
@@ -43,7 +43,7 @@ def gradient_errors(spec, names: list[str], batches: int) -> dict[str, list[floa
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, default=8)
+    parser.add_argument("--batches", type=at_least_one, default=8)
     parser.add_argument(
         "--families", nargs="+", default=list(SIZES["runtime"]), choices=list(SIZES["runtime"])
     )

@@ -149,13 +149,22 @@ def _summary(r: dict) -> str:
 
 
 def main(argv=None):
+    from benchmarks.models import SIZES
+    from benchmarks.variants import VARIANTS
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", nargs=2, metavar=("FAMILY", "VARIANT"), required=True)
-    parser.add_argument("--size", default="gpu")
+    parser.add_argument("--size", default="gpu", choices=sorted(SIZES))
     parser.add_argument("--windows", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--matmul-precision", default=None)
     args = parser.parse_args(argv)
+    family, variant = args.worker
+    if family not in SIZES[args.size] or variant not in VARIANTS:
+        parser.error(
+            f"--worker {family} {variant}: choose a family from {sorted(SIZES[args.size])} "
+            f"and a variant from {sorted(VARIANTS)}"
+        )
     result = worker(*args.worker, args.size, args.windows, args.steps, args.matmul_precision)
     print(json.dumps(result), flush=True)
 

@@ -114,10 +114,18 @@ def profile(family: str, variant_name: str, size: str, steps: int, hlo_dir: Path
 
 
 def main(argv=None):
+    from benchmarks.models import SIZES
+    from benchmarks.variants import VARIANTS
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", nargs="+", default=["gpt"])
-    parser.add_argument("--variants", nargs="+", default=["handcast-bf16", "autocast-bf16"])
-    parser.add_argument("--size", default="gpu")
+    parser.add_argument("--families", nargs="+", default=["gpt"], choices=sorted(SIZES["gpu"]))
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["handcast-bf16", "autocast-bf16"],
+        choices=sorted(VARIANTS),
+    )
+    parser.add_argument("--size", default="gpu", choices=sorted(SIZES))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--json", type=Path, default=None)

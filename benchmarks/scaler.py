@@ -279,10 +279,15 @@ def main(argv=None) -> None:
         choices=sorted(SIZES["full"]),
         help="compile the full-size model's whole training step, with and without",
     )
-    parser.add_argument("--check", type=float, nargs="*", default=[])
-    parser.add_argument("--repeats", type=int, default=15, help="of each run-time measurement")
+    parser.add_argument("--check", type=timing.positive, nargs="*", default=[])
     parser.add_argument(
-        "--compile-repeats", type=int, default=None, help="of each compile (3; 1 from 1000 leaves)"
+        "--repeats", type=timing.at_least_one, default=15, help="of each run-time measurement"
+    )
+    parser.add_argument(
+        "--compile-repeats",
+        type=timing.at_least_one,
+        default=None,
+        help="of each compile (3; 1 from 1000 leaves)",
     )
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}")

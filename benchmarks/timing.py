@@ -8,6 +8,7 @@ getting busier or quieter during the measurement.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -20,6 +21,22 @@ from benchmarks import compile_options
 from benchmarks.models import ModelSpec
 from benchmarks.compile_options import jit
 from benchmarks.variants import VARIANTS, forward, step_specs, train_step, value_fn
+
+
+def at_least_one(text: str) -> int:
+    """An argparse type: a count of repeats, batches or steps, 1 or more."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {n}")
+    return n
+
+
+def positive(text: str) -> float:
+    """An argparse type: a size, above 0."""
+    x = float(text)
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return x
 
 
 def interleaved(

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import mpjax
-from benchmarks.timing import interleaved
+from benchmarks.timing import at_least_one, interleaved
 
 
 def mlp_loss(params, x, y):
@@ -76,7 +76,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=200)
     parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=at_least_one, default=3)
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--profile", choices=["trace", "lower"])
     opts = parser.parse_args(argv)

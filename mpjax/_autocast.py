@@ -264,12 +264,14 @@ _STATIC_HINT = (
 def trace_arrays(fun, args, kwargs, cache: _trace_cache.TraceCache | None = None):
     """Traces ``fun(*args, **kwargs)`` with the array leaves abstract.
 
-    Every other leaf (Python scalars, strings, None) is passed to `fun` as it is.
+    A `jax.ShapeDtypeStruct` is traced as the array it describes (`mpjax.audit` on
+    shapes alone). Every other leaf (Python scalars, strings, None) is passed to
+    `fun` as it is.
     Returns the closed jaxpr, the output shapes, and the array leaves. With a
     `cache`, a call of a signature traced before reuses its trace.
     """
     leaves, treedef = jax.tree.flatten((args, kwargs))
-    dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
+    dynamic = [i for i, x in enumerate(leaves) if _is_value(x)]
     dynamic_leaves = [leaves[i] for i in dynamic]
     key = None if cache is None else cache.key(leaves, treedef, dynamic)
     hit = None if cache is None else cache.get(key)

@@ -40,9 +40,8 @@ def bind(eqn, *args, **param_updates):
 
 
 def staging_trace():
-    """The trace of jit or make_jaxpr in progress, if that is the current trace
-    (not vmap, grad or eager evaluation); otherwise None. `emit` checks that each
-    argument is its own."""
+    """The trace of jit or make_jaxpr in progress, if current (not vmap, grad or
+    eager evaluation); otherwise None. `emit` checks each argument is its own."""
     from jax._src import core
     from jax._src.interpreters import partial_eval as pe
 
@@ -81,21 +80,25 @@ def _staged(trace, eqn, args):
     return tracers
 
 
+def without_dead_code(jaxpr):
+    """`jaxpr` without the equations no output needs, inside loops too, as jit drops them."""
+    from jax._src.interpreters import partial_eval as pe
+
+    return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
+
+
 def _transformed(x) -> bool:
     """Whether a transformation (grad, jvp, vmap) sees `x`, not only jit's staging."""
     return isinstance(x, jax.core.Tracer) and type(x).__name__ != "DynamicJaxprTracer"
 
 
 def _bound(eqn, params):
-    """``primitive.bind(*args, **params)`` as a function of `args`, for a bind
-    that a transformation sees.
-
-    A jit of the bind, inlined where it is traced, for a primitive whose params
-    can be a cache key. Under `grad`, JAX linearizes a bare bind anew at every
-    equation; a jit's linearization it caches per input types, so the repeated
-    layers of a model are linearized once, as JAX's own `jnp` functions are.
-    Where only jit traces the bind, a bare bind is cheaper.
-    """
+    """``primitive.bind(*args, **params)`` as a function of `args`, for a bind a
+    transformation sees: a jit of the bind, inlined, where the params can be a
+    cache key. Under `grad`, JAX linearizes a bare bind anew at every equation and
+    a jit's once per input types, so a model's repeated layers are linearized
+    once, as `jnp`'s functions are. Where only jit traces the bind, a bare bind
+    is cheaper."""
     primitive = eqn.primitive
     try:
         key = tuple(sorted(params.items()))
@@ -179,11 +182,8 @@ def shard_map_kwargs(params) -> dict:
 
 
 def retype_scalar_jaxpr(params, dtype):
-    """Re-traces a scatter's scalar combiner (`update_jaxpr`) at `dtype`.
-
-    XLA checks the combiner's types against the operands', so a scatter whose
-    operands change precision needs its combiner re-traced.
-    """
+    """Re-traces a scatter's scalar combiner (`update_jaxpr`) at `dtype`: XLA
+    checks its types against the operands' once they change precision."""
     update_jaxpr = params.get("update_jaxpr")
     if update_jaxpr is None:
         return {}

@@ -10,7 +10,7 @@ from typing import Callable, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax import _compat
+from mpjax import _compat, _nnx
 from mpjax import policy
 from mpjax._autocast import trace_arrays
 
@@ -102,7 +102,7 @@ class AuditReport:
         return "\n".join(lines)
 
 
-def audit(fun: Callable, *args, **kwargs) -> AuditReport:
+def audit(fun: Callable, /, *args, **kwargs) -> AuditReport:
     """Traces ``fun(*args, **kwargs)`` and reports the precision of every operation.
 
     `fun` is audited as given: pass ``autocast(f)``, ``jax.grad(autocast(f))`` or a
@@ -128,6 +128,11 @@ def audit(fun: Callable, *args, **kwargs) -> AuditReport:
         # ``autocast(nnx_model)``: traced with the module passed in, as it runs.
         fun, module = fun.__mpjax_module__
         args = (module, *args)
+    elif (bound := _nnx.bound_module(fun)) is not None:
+        # An NNX module (or its method) itself, the same way: closed over, its
+        # state updates (dropout's RNG counts) would be writes from inside a trace.
+        module, fun = bound
+        args = (module, *args)
     equations, casts, flops, low_flops = _walk(_trace(fun, args, kwargs))
     inserted = None
     wrapper, original = getattr(fun, "__mpjax_autocast__", (None, None))
@@ -139,7 +144,7 @@ def audit(fun: Callable, *args, **kwargs) -> AuditReport:
 def _trace(fun, args, kwargs):
     # As autocast does: arrays are traced, Python scalars stay Python values.
     closed, _, _ = trace_arrays(fun, args, kwargs)
-    return _compat.jaxpr_and_consts(closed)[0]
+    return _compat.without_dead_code(_compat.jaxpr_and_consts(closed)[0])
 
 
 def _dtype_names(atoms) -> tuple[str, ...]:
@@ -224,12 +229,7 @@ def _multiplies_low(operands, upcast_from) -> bool:
 def _matmul_flops(eqn) -> int:
     lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
     if eqn.primitive.name == "conv_general_dilated":
-        out = eqn.outvars[0].aval.shape
-        out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
-        # An input dilation (a transposed convolution, the input gradient of a strided
-        # one) inserts zeros: products with them are not counted, as XLA counts.
-        zeros = math.prod(eqn.params.get("lhs_dilation") or (1,))
-        return 2 * math.prod(out) * math.prod(rhs) // max(out_features, 1) // zeros
+        return _conv_flops(eqn, lhs, rhs)
     if eqn.primitive.name == "dot_general":
         (_, rhs_contract), (_, rhs_batch) = eqn.params["dimension_numbers"]
         rhs_free = [d for i, d in enumerate(rhs) if i not in (*rhs_contract, *rhs_batch)]
@@ -242,3 +242,31 @@ def _matmul_flops(eqn) -> int:
     (_, contract), (_, batch) = numbers.dot_dimension_numbers
     taken = {*contract, *batch, *numbers.rhs_group_dimensions}
     return 2 * math.prod(lhs) * math.prod(d for i, d in enumerate(rhs) if i not in taken)
+
+
+def _conv_flops(eqn, lhs, rhs) -> int:
+    """A convolution's multiply-adds, twice: per output element, its kernel's taps
+    that meet an input element, as XLA counts them. A tap on the padding, or on a
+    zero an input dilation inserts (a transposed convolution, the input gradient
+    of a strided one), multiplies nothing."""
+    params = eqn.params
+    dims = params["dimension_numbers"]
+    out = eqn.outvars[0].aval.shape
+    spatial = len(dims.lhs_spec) - 2
+    lhs_dilation = params.get("lhs_dilation") or (1,) * spatial
+    rhs_dilation = params.get("rhs_dilation") or (1,) * spatial
+    pairs = 1  # (output position, tap) pairs that meet an input element
+    for d in range(spatial):
+        size, taps = lhs[dims.lhs_spec[2 + d]], rhs[dims.rhs_spec[2 + d]]
+        at = (
+            np.arange(out[dims.out_spec[2 + d]])[:, None] * params["window_strides"][d]
+            + np.arange(taps)[None, :] * rhs_dilation[d]
+            - params["padding"][d][0]
+        )
+        step = lhs_dilation[d]
+        pairs *= int(np.count_nonzero((at >= 0) & (at <= (size - 1) * step) & (at % step == 0)))
+    spatial_out = math.prod(out[i] for i in dims.out_spec[2:])
+    spatial_taps = math.prod(rhs[i] for i in dims.rhs_spec[2:])
+    per_pair = math.prod(out) // max(spatial_out, 1) * math.prod(rhs) // max(spatial_taps, 1)
+    return 2 * pairs * per_pair // max(rhs[dims.rhs_spec[0]], 1)
+

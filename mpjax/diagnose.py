@@ -56,7 +56,8 @@ def diagnose(
     leaves the program you train with unchanged. Sharded arrays are accepted;
     the step then runs on them operation by operation. Equations are told apart
     by JAX's name stack: those of the backward pass carry a ``transpose(...)``
-    transform (a ``jax.checkpoint`` region recomputed there counts as backward).
+    transform (a ``jax.checkpoint`` region recomputed there counts as forward:
+    the loss scale does not reach it).
     Inside ``scan`` and ``while`` loops values are checked per loop, not per
     operation; a ``scan`` that makes inf or NaN from finite values is run again
     one step at a time to find the operation.

@@ -1,5 +1,6 @@
 """mpjax.audit: the report users debug precision with."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import pytest
@@ -64,12 +65,17 @@ def test_ragged_and_transposed_products_count_the_products_they_make():
     f = lambda l, r: jnp.sum(jnp.tanh(jax.lax.ragged_dot(l, r, sizes)))
     report = mpjax.audit(jax.grad(mpjax.autocast(f), argnums=(0, 1)), lhs, rhs)
     assert report.matmul_flops == 3 * 2 * 6 * 8 * 5
-    # A stride-2 transposed convolution: each input element meets each tap once; the
-    # zeros it inserts are not multiplied.
-    x, k = jnp.ones((1, 8, 8, 4)), jnp.ones((3, 3, 4, 4))
+    # A stride-2 transposed convolution: each input element meets each tap once
+    # (VALID), but for a tap beyond the output's edge (SAME: 8 * 3 - 1 = 23 pairs
+    # per dimension); the zeros it inserts are not multiplied. XLA counts the same.
     dims = ("NHWC", "HWIO", "NHWC")
-    convt = lambda x, k: lax.conv_transpose(x, k, (2, 2), "SAME", dimension_numbers=dims)
-    assert mpjax.audit(mpjax.autocast(convt), x, k).matmul_flops == 2 * 8 * 8 * 4 * 3 * 3 * 4
+    for padding, x, k, pairs in (
+        ("VALID", jnp.ones((1, 4, 4, 3)), jnp.ones((3, 3, 3, 5)), (4 * 3) ** 2),
+        ("SAME", jnp.ones((1, 8, 8, 4)), jnp.ones((3, 3, 4, 4)), (8 * 3 - 1) ** 2),
+    ):
+        convt = lambda x, k, p=padding: lax.conv_transpose(x, k, (2, 2), p, dimension_numbers=dims)
+        features = x.shape[-1] * k.shape[-1]
+        assert mpjax.audit(mpjax.autocast(convt), x, k).matmul_flops == 2 * pairs * features
 
 
 def test_conv_flops():
@@ -81,6 +87,12 @@ def test_conv_flops():
     report = mpjax.audit(f, jnp.ones((1, 5, 5, 3)), jnp.ones((3, 3, 3, 8)))
     assert report.matmul_flops == 2 * (3 * 3 * 8) * (3 * 3 * 3)
     assert report.low_precision_fraction == 0.0 and report.casts_inserted is None
+    # SAME: a tap on the padding multiplies nothing (8 * 3 - 2 pairs per dimension).
+    same = lambda x, k: lax.conv_general_dilated(  # noqa: E731
+        x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    report = mpjax.audit(same, jnp.ones((2, 8, 8, 3)), jnp.ones((3, 3, 3, 8)))
+    assert report.matmul_flops == 2 * 2 * (8 * 3 - 2) ** 2 * 3 * 8
 
 
 def test_audit_of_a_gradient_is_not_confused_with_the_autocast_function():
@@ -128,3 +140,40 @@ def test_a_cond_counts_the_flops_of_its_costliest_branch():
     report = mpjax.audit(mpjax.autocast(switch), w, x, jnp.int32(0))
     assert report.matmul_flops == 3 * one
     assert sum(e.primitive == "dot_general" for e in report.equations) == 4  # all listed
+
+
+def test_a_product_nothing_reads_is_not_counted_inside_a_loop_either():
+    # jit drops a scan's output nobody reads, and the product that makes it.
+    w = jnp.ones((4, 4))
+
+    def f(c, xs):
+        c, _ = lax.scan(lambda c, x: (jnp.tanh(c + x), x @ w), c, xs)
+        return c
+
+    report = mpjax.audit(mpjax.autocast(f), jnp.ones(4), jnp.ones((3, 4)))
+    assert report.matmul_flops == 0 and not report.find("dot_general")
+
+
+def test_audit_takes_shapes_alone_and_passes_a_keyword_named_fun():
+    f = mpjax.autocast(lambda w, x: x @ w)
+    shapes = jax.ShapeDtypeStruct((4, 3), jnp.float32), jax.ShapeDtypeStruct((2, 4), jnp.float32)
+    assert mpjax.audit(f, *shapes).matmul_flops == 2 * 2 * 4 * 3
+    g = mpjax.autocast(lambda w, fun: fun @ w)
+    assert mpjax.audit(g, jnp.ones((4, 3)), fun=jnp.ones((2, 4))).matmul_flops == 48
+
+
+def test_an_nnx_module_is_audited_as_it_runs():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(4, 8, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.dense(x))
+
+    model = Net(nnx.Rngs(0))
+    before = nnx.state(model)
+    assert mpjax.audit(model, jnp.ones((2, 4))).matmul_flops == 2 * 2 * 4 * 8
+    chex.assert_trees_all_equal(nnx.state(model), before)

@@ -546,3 +546,30 @@ def test_kernel_kinds_are_told_from_kernel_names():
         "memcpy128 command_buffer_233": "copy",
     }
     assert {n: kind(n) for n in names} == names
+
+
+@pytest.mark.parametrize(
+    "module, argv",
+    [
+        ("benchmarks.scaler", ["--repeats", "0"]),
+        ("benchmarks.scaler", ["--check", "0"]),
+        ("benchmarks.trace_overhead", ["--repeats", "0"]),
+        ("benchmarks.fidelity", ["--batches", "0"]),
+        ("benchmarks.compiled_memory", ["--variants", "bogus"]),
+        ("benchmarks.kernels", ["--families", "bogus"]),
+        ("benchmarks.gpu", ["--worker", "gpt", "bogus"]),
+        ("benchmarks.peers.compare", ["benchmarks/results/cpu_static.json"] * 2),
+        (
+            "benchmarks.peers.compare",
+            [
+                "benchmarks/peers/results_cpu_batches.json",
+                "benchmarks/peers/results_cpu_batches64.json",
+            ],
+        ),
+    ],
+)
+def test_a_bad_flag_is_a_usage_error_naming_it(module, argv, capsys, monkeypatch):
+    monkeypatch.chdir(pathlib.Path(__file__).parent.parent)
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(module).main(argv)
+    assert exit_.value.code == 2 and "error:" in capsys.readouterr().err

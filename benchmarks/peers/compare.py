@@ -16,9 +16,11 @@ import sys
 from benchmarks.peers.harness import _err, _median, _ratio
 
 
-def _rows(path: str) -> dict:
+def _rows(path: str, parser) -> dict:
     with open(path) as fh:
-        results = json.load(fh)["results"]
+        results = json.load(fh).get("results")
+    if not isinstance(results, list):
+        parser.error(f"{path} is not a peers run (python -m benchmarks.peers --json PATH)")
     return {
         (res["model"], row["variant"]): row
         for res in results
@@ -59,9 +61,19 @@ def main(argv=None) -> int:
     parser.add_argument("before", help="the JSON of the earlier run (--batches K --json)")
     parser.add_argument("after", help="the JSON of the later run, same K")
     args = parser.parse_args(argv)
-    before, after = _rows(args.before), _rows(args.after)
+    before, after = _rows(args.before, parser), _rows(args.after, parser)
     if not after or not before:
         parser.error("no rows with gradient errors over batches: run with --batches K --json")
+    common = [k for k in after if k in before]
+    counts = {len(r["grad_err_tree_batches"]) for run in (before, after) for r in run.values()}
+    if common and not any(
+        len(before[k]["grad_err_tree_batches"]) == len(after[k]["grad_err_tree_batches"])
+        for k in common
+    ):
+        parser.error(
+            f"the two runs measured different numbers of batches {sorted(counts)}: "
+            "compare runs of the same --batches K"
+        )
     print(compare(before, after))
     return 0
 

@@ -55,9 +55,9 @@ for i in range(3):
     print(f"step {i}  loss {value:.4f}")
 assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
 
-# The grouped products multiply float16 values, forward and backward. Those with a
-# float32 weight return their float32 accumulator: the two forward products and the
-# experts' weight gradients. The gradient of the activation `h` is float16.
+# The grouped products multiply float16 values, forward and backward. The two
+# forward products return float16; the experts' weight gradients return their
+# float32 accumulator. The gradient of the activation `h` is float16.
 report = mpjax.audit(jax.grad(loss), params, x, y)
 for eqn in report.find("ragged_dot_general"):
     print(eqn.in_dtypes, "->", eqn.out_dtypes)
