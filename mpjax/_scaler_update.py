@@ -156,7 +156,10 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
         # jit, where a select in front changed XLA's rounding of inner, as they are.
         grads = _zeros_where(nonfinite, grads)
     if config.check_updates:
-        updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
+        if _compat.is_tracer(nonfinite):
+            updates, inner_state = _skip.run_traced(traced, grads, state.inner_state, params)
+        else:  # eagerly, each operation as inner's own
+            updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
         bad_updates = _bad_updates(config, updates, state, inner_state)
         skipped = nonfinite | bad_updates
         # Selection is exact, so a skipped step leaves inner's state bit for bit.
@@ -200,33 +203,19 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
 
 def _bad_updates(config: ScalerConfig, updates, state, inner_state) -> jax.Array:
     """Whether inner made non-finite updates from finite gradients (adam with
-    eps=0 on zero gradients), or made its finite state non-finite (adam's nu from
-    a gradient of 1e20, whose update mu / sqrt(inf) is a finite 0: the parameter
-    would never move again). Such a step is skipped too; the scale is not at
-    fault and is not backed off."""
-    bad = _nonfinite_flags(config, updates, {}, state.scale)[0]
-    broke = _breaks(config, state.inner_state, inner_state)
-    _check_agreed(config, broke, state.scale)
-    return bad | broke
-
-
-def _breaks(config: ScalerConfig, old, new) -> jax.Array:
-    """Whether a leaf of `new` is not finite where the same leaf of `old`, the
-    state a step earlier, is (a leaf that holds an inf by design, such as
-    reduce_on_plateau's best loss, is not checked)."""
-    pairs = [
-        (o, n)
-        for o, n in zip(jax.tree.leaves(old), jax.tree.leaves(new))
-        if _is_inexact(n) and jnp.shape(o) == jnp.shape(n) and jnp.result_type(o) == n.dtype
+    eps=0 on zero gradients), or a non-finite moment: a leaf of its state shaped
+    as an update (adam's nu from a gradient of 1e20, whose update mu / sqrt(inf)
+    is a finite 0: the parameter would never move again). Such a step is skipped
+    too; the scale is not at fault and is not backed off. Other state leaves
+    (counts, reduce_on_plateau's best loss, which starts at inf) are not read."""
+    shapes = {(jnp.shape(u), jnp.result_type(u)) for u in jax.tree.leaves(updates)}
+    moments = [
+        x
+        for x in jax.tree.leaves(inner_state)
+        if _is_inexact(x) and jnp.ndim(x) and (jnp.shape(x), jnp.result_type(x)) in shapes
     ]
-    if not pairs:
-        return jnp.zeros([], jnp.bool_)
-    was, _, _ = _finite.leaf_flags([o for o, _ in pairs])
-    now, _, _ = _finite.leaf_flags([n for _, n in pairs])  # the same order: same types
-    broke = jnp.max((now & ~was).astype(jnp.float32)) > 0
-    if config.axis_name is not None:
-        broke = lax.psum(broke.astype(jnp.int32), config.axis_name) > 0
-    return broke
+    # One check of the updates and the moments together: a handful of kernels.
+    return _nonfinite_flags(config, [jax.tree.leaves(updates), moments], {}, state.scale)[0]
 
 
 def _disabled() -> jax.Array:

@@ -34,6 +34,15 @@ def trace_update(inner, grads, state, params, extra):
     return jax.make_jaxpr(run, return_shape=True)(grads, state, params)
 
 
+def run_traced(traced, grads, state, params):
+    """``inner.update`` as `trace_update` traced it, evaluated on these arguments
+    (no second trace of inner)."""
+    closed, out_shape = traced
+    jaxpr, consts = _compat.jaxpr_and_consts(closed)
+    flat = jax.core.eval_jaxpr(jaxpr, consts, *jax.tree.leaves((grads, state, params)))
+    return jax.tree.unflatten(jax.tree.structure(out_shape), flat)
+
+
 def read_gradients(traced, grads) -> list[bool]:
     """For each leaf of `grads`, whether inner's update reads its values: one it
     does not read (``optax.set_to_zero`` of a frozen parameter takes only its

@@ -78,9 +78,8 @@ def _kernels(tx, n_leaves: int) -> int:
         # check, the scale, the tracker, the counts)
         ({}, 0, 10),
         # the selects of updates, mu and nu and the update's own pass again, which
-        # can only run once the updates are checked; the check of the new state
-        # against the old, a few kernels whatever the number of leaves
-        ({"check_updates": True}, 4, 30),
+        # can only run once the updates (and the moments) are checked
+        ({"check_updates": True}, 4, 20),
         # the accumulator's add and its reset
         ({"accumulation_steps": 4, "accumulation": "mean"}, 2, 15),
     ],
@@ -95,7 +94,7 @@ def test_scaler_adds_a_few_kernels_per_leaf(kwargs, per_leaf, fixed):
         assert scaled[n] - bare[n] <= per_leaf * n + fixed, (n, scaled[n], bare[n])
     growth = (scaled[200] - scaled[50]) - (bare[200] - bare[50])
     # + 1: XLA:GPU splits the finite check of 200 leaves into two horizontal fusions;
-    # + 2 more: the 400 state leaves checked with the updates stack in two chunks
+    # + 2 more: the 400 moments checked with the updates stack in two chunks
     assert growth <= per_leaf * 150 + 3, (growth, scaled, bare)
 
 
