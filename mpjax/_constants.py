@@ -30,6 +30,7 @@ MOVES_VALUES = policy.LAYOUT | frozenset({
     "dynamic_slice", "reduce_max", "reduce_min", "cummax", "cummin", "sort",
 })  # fmt: skip
 
+
 def values(scope, x):
     """The values `x` can take, known at trace time (an array whose elements are
     them), or None."""
@@ -149,3 +150,18 @@ def fill_fits(eqn, low) -> bool:
     if fill is None or low is None or not policy.is_castable(eqn.invars[0].aval.dtype):
         return True
     return _holds(fill, low)
+
+
+def joined(dtypes, known) -> np.dtype:
+    """The dtype of an output of a cond's branches: the widest of those computed;
+    a constant one (`known` holds its values: a reset to zeros) is held in it
+    where it fits, as `jnp.where`'s constant is, and widens it where not."""
+    if all(d == dtypes[0] for d in dtypes):
+        return dtypes[0]
+    computed = [d for d, k in zip(dtypes, known) if not isinstance(k, np.ndarray)]
+    target = policy.widest(computed) if computed else None
+    if target is None or not policy.is_castable(target):
+        return policy.widest(dtypes)
+    if any(isinstance(k, np.ndarray) and not _holds(k, target) for k in known):
+        return policy.widest(dtypes)
+    return target

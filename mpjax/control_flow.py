@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mpjax import _compat, _products
+from mpjax import _compat, _constants, _products
 from mpjax import policy
 from mpjax._casting import constrained, dtype_of
 from mpjax.interpreter import HIGHER_ORDER, Context, Scope, eval_closed, eval_jaxpr
@@ -70,9 +70,7 @@ def _custom_jvp(ctx: Context, eqn, vals, weak):
         return _compat.bind(eqn, *vals)
     params = eqn.params
     n_consts = params["num_consts"]
-    rule, rule_consts, leading, out_zeros = _compat.custom_jvp_rule(
-        params, len(vals) - n_consts
-    )
+    rule, rule_consts, leading, out_zeros = _compat.custom_jvp_rule(params, len(vals) - n_consts)
 
     def primal(*args):
         outs, _ = eval_closed(ctx.child(), params["call_jaxpr"], list(args), weak)
@@ -156,31 +154,33 @@ def _cond(ctx: Context, eqn, vals, weak):
     ops_weak = weak[1:]
     branches = eqn.params["branches"]
 
-    def branch_fn(closed, out_dtypes=None):
+    def branch_fn(closed, out_dtypes=None, known=None):
+        """A branch, its outputs cast to `out_dtypes`; probing (None), what it
+        returns, with its constant outputs' values (zeros) put in `known`."""
+
         def fn(*args):
             child = ctx.child(probing=out_dtypes is None)
-            outs, _ = eval_closed(child, closed, list(args), ops_weak)
+            outs, out_weak = eval_closed(child, closed, list(args), ops_weak)
             if out_dtypes is None:
+                known.append(
+                    [w and _constants.values(child.scope, o) for o, w in zip(outs, out_weak)]
+                )
                 return outs
             return [child.scope.cast(o, d) for o, d in zip(outs, out_dtypes)]
 
         return fn
 
     def solve():
-        per_branch = [jax.eval_shape(branch_fn(b), *ops) for b in branches]
-        return [_join([a.dtype for a in avals]) for avals in zip(*per_branch)]
+        known = []
+        per_branch = [jax.eval_shape(branch_fn(b, known=known), *ops) for b in branches]
+        avals = zip(*per_branch)
+        return [_constants.joined([a.dtype for a in v], k) for v, k in zip(avals, zip(*known))]
 
     out_dtypes = ctx.solved(eqn, vals, weak, solve)
     abstract = _abstract(ctx, eqn, out_dtypes)
     if abstract is not None:
         return abstract
     return list(lax.switch(index, [branch_fn(b, out_dtypes) for b in branches], *ops))
-
-
-def _join(dtypes):
-    if all(d == dtypes[0] for d in dtypes):
-        return dtypes[0]
-    return policy.widest(dtypes)
 
 
 def _fix_carry(ctx: Context, init, init_weak, probe) -> tuple[list, Scope]:

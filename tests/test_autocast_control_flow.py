@@ -439,3 +439,24 @@ def test_a_nested_jit_with_shardings_on_an_explicit_mesh_runs_as_without_autocas
         want, got = jax.jit(f)(_w(4, 4), a), jax.jit(mpjax.autocast(f))(_w(4, 4), a)
     assert got.sharding.is_equivalent_to(want.sharding, 2)
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+
+
+def test_a_constant_branch_of_cond_widens_nothing_it_fits_in(low):
+    # As jnp.where's constant: an RNN state reset to zeros with lax.cond stays 16-bit.
+    w, x = _w(4, 4), _w(3, 4, seed=1)
+
+    def reset(fill):
+        return lambda w, x, p: lax.cond(p, lambda: jnp.tanh(x @ w), lambda: jnp.full((3, 4), fill))
+
+    def out_dtype(fill):
+        program = jax.make_jaxpr(mpjax.autocast(reset(fill), dtype=low))(w, x, True)
+        (cond,) = [e for e in program.jaxpr.eqns if e.primitive.name == "cond"]
+        return cond.outvars[0].aval.dtype
+
+    assert out_dtype(0.0) == low
+    # A fill the low dtype cannot hold widens it, as it does jnp.where.
+    assert out_dtype(1e9) == (F32 if low == F16 else low)
+    for p in (True, False):
+        got = mpjax.autocast(reset(0.0), dtype=low)(w, x, p)
+        want = reset(0.0)(w, x, p)
+        np.testing.assert_allclose(got, want, rtol=rel_tol(low), atol=rel_tol(low))
