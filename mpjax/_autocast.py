@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import weakref
 from typing import Callable
 
 import jax
@@ -232,10 +233,24 @@ def _wrap(fun, region: Region, enabled: bool):
                 )
             return _autocast_call(fun, region, args, kwargs, cache)
 
-    # Lets `audit` count the casts autocast adds. Stored with `wrapped` itself, since
-    # functools.wraps in other transforms (jax.grad) copies attributes onward.
-    wrapped.__mpjax_autocast__ = (wrapped, fun)
-    return wrapped
+    return _marked(wrapped, fun)
+
+
+def _marked(wrapper, fun):
+    """`wrapper`, marked as autocast's of `fun` (`original_of` reads it): `audit`
+    counts the casts autocast adds. The mark names `wrapper` itself, since
+    functools.wraps in other transforms (jax.grad) copies attributes onward, and
+    weakly: a cycle would keep a dropped function and its closed-over arrays alive
+    until Python's cycle collector runs."""
+    wrapper.__mpjax_autocast__ = (weakref.ref(wrapper), fun)
+    return wrapper
+
+
+def original_of(fun):
+    """The function `autocast` wrapped into `fun`, or None if `fun` is no autocast
+    function (a transform of one, jax.grad(autocast(f)), is not)."""
+    ref, original = getattr(fun, "__mpjax_autocast__", (None, None))
+    return original if ref is not None and ref() is fun else None
 
 
 def _wrap_module(fun, bound, region: Region, enabled: bool):
@@ -248,9 +263,12 @@ def _wrap_module(fun, bound, region: Region, enabled: bool):
     def call(*args, **kwargs):
         return inner(module, *args, **kwargs)
 
-    call.__mpjax_autocast__ = (call, fun)
+    try:  # the module's call, as `fun` is called: without `self`
+        call.__signature__ = inspect.signature(fun)
+    except (TypeError, ValueError):
+        pass
     call.__mpjax_module__ = (inner, module)  # `audit` traces `inner` with the module passed
-    return call
+    return _marked(call, fun)
 
 
 _STATIC_HINT = (
@@ -289,8 +307,8 @@ def trace_arrays(fun, args, kwargs, cache: _trace_cache.TraceCache | None = None
         out_leaves, out_tree = jax.tree.flatten(fun(*a, **k))
         # Arrays are the program's outputs; anything else (a string tag) is
         # handed back as it is, as `fun` returns it without autocast.
-        returned[:] = [out_tree, [None if _is_value(x) else x for x in out_leaves]]
-        return [x for x in out_leaves if _is_value(x)]
+        returned[:] = [out_tree, [None if _is_output(x) else x for x in out_leaves]]
+        return [x for x in out_leaves if _is_output(x)]
 
     # JAX's errors name `fun` and its line, but not its parameters: this takes
     # the array leaves only, not `fun`'s arguments.
@@ -332,10 +350,12 @@ def _autocast_call(fun, region: Region, args, kwargs, cache=None):
     outs, _ = eval_jaxpr(ctx, jaxpr, consts, dynamic_leaves, [False] * len(dynamic_leaves))
     out_leaves, out_tree = jax.tree.flatten(out_shape)
     outs = iter(outs)
-    return jax.tree.unflatten(
+    result = jax.tree.unflatten(
         out_tree,
-        [_output(ctx, next(outs), s) if _is_value(s) else s for s in out_leaves],
+        [_output(ctx, next(outs), s) if _is_output(s) else s for s in out_leaves],
     )
+    ctx.scope.release()
+    return result
 
 
 def _output(ctx: Context, out, shape):
@@ -348,10 +368,15 @@ def _output(ctx: Context, out, shape):
 
 
 def _is_value(x) -> bool:
+    """Whether an argument leaf is traced: an array, or the shape of one."""
+    return _is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _is_output(x) -> bool:
     """Whether `x` is an output of the traced program (its shape, once traced).
 
-    A Python number `fun` returns depends on no traced value: it comes back as
-    the number itself (``2**40`` or ``1e300`` would not survive a float32 or
+    A Python number or a NumPy value `fun` returns depends on no traced value:
+    it comes back as it is (``2**40`` or ``1e300`` would not survive a float32 or
     int32 array).
     """
-    return _is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))

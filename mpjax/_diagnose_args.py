@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpjax import _nnx
-from mpjax._autocast import POLICIES
+from mpjax._autocast import POLICIES, original_of
 from mpjax.scaler_state import get_scale
 
 DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16}
@@ -73,8 +73,8 @@ def check_scale(scale, dtype: str) -> float:
 
 
 def unwrap(fun):
-    wrapper, original = getattr(fun, "__mpjax_autocast__", (None, None))
-    return original if wrapper is fun else fun
+    original = original_of(fun)
+    return fun if original is None else original
 
 
 def is_float(x) -> bool:

@@ -48,11 +48,10 @@ class TraceCache:
                     (x.shape, x.dtype, getattr(x, "weak_type", False), getattr(x, "sharding", None))
                 )
             else:
-                if not isinstance(x, _IMMUTABLE):
-                    return None  # an attribute `fun` reads may change before the next call
-                # 1, 1.0 and True trace differently, and so do 0.0 and -0.0
-                # (equal, but ``x / s`` is inf for one, -inf for the other).
-                statics.append((type(x), x.hex() if isinstance(x, float) else x))
+                statics.append(_static(x))
+        statics.append(_static(_aux_data(treedef)))  # a pytree node's own static fields
+        if any(s is _MUTABLE for s in statics):
+            return None  # an attribute `fun` reads may change before the next call
         key = (treedef, _compat.trace_context(), tuple(arrays), tuple(statics))
         try:
             hash(key)
@@ -72,9 +71,10 @@ class TraceCache:
         return entry
 
     def put(self, key, closed, out_shape) -> None:
-        """Stores a trace, unless it has constants: arrays `fun` read from outside
-        its arguments (parameters that training replaces, tracers of an outer trace)."""
-        if key is None or _compat.jaxpr_and_consts(closed)[1]:
+        """Stores a trace, unless it has constants, its calls' included: arrays `fun`
+        read from outside its arguments (parameters that training replaces, tracers
+        of an outer trace)."""
+        if key is None or _has_constants(closed):
             return
         self._entries[key] = (closed, out_shape)
         if len(self._entries) > self.maxsize:
@@ -82,4 +82,51 @@ class TraceCache:
 
 
 # Static leaves whose value is all a trace can have read from them.
-_IMMUTABLE = (bool, int, float, complex, str, bytes, types.NoneType, type, enum.Enum, np.dtype)
+_IMMUTABLE = (bool, int, float, complex, str, bytes, types.NoneType, enum.Enum, np.dtype)
+# Modules whose classes (dtypes such as jnp.bfloat16) no program changes.
+_LIBRARIES = ("builtins", "numpy", "jax", "ml_dtypes")
+_MUTABLE = object()
+
+
+def _static(x):
+    """A static value as a key: typed, since 1, 1.0 and True trace differently, and
+    so do 0.0 and -0.0 (equal, but ``x / s`` is inf for one, -inf for the other);
+    `_MUTABLE` for one `fun` could read changed attributes of (a user's object or
+    class)."""
+    if isinstance(x, (tuple, list, frozenset)):
+        items = tuple(_static(v) for v in x)
+        return _MUTABLE if any(v is _MUTABLE for v in items) else (type(x), items)
+    if isinstance(x, type):
+        return (type, x) if x.__module__.split(".")[0] in _LIBRARIES else _MUTABLE
+    if not isinstance(x, _IMMUTABLE):
+        return _MUTABLE
+    if isinstance(x, float):
+        return (float, x.hex())
+    if isinstance(x, complex):
+        return (complex, x.real.hex(), x.imag.hex())
+    return (type(x), x)
+
+
+def _aux_data(treedef) -> tuple:
+    """The static data of every node of `treedef` (a dict's keys, a dataclass's
+    static fields), which its equality compares loosely (1 == 1.0)."""
+    node = treedef.node_data()  # None for a leaf
+    if node is None:
+        return ()
+    return (node[1], *(_aux_data(child) for child in treedef.children()))
+
+
+def _has_constants(closed) -> bool:
+    """Whether `closed`, or a jaxpr it calls (a nested jit's, a branch's), holds
+    constants."""
+    jaxpr, consts = _compat.jaxpr_and_consts(closed)
+    return bool(consts) or any(_has_constants(sub) for sub in _called(jaxpr))
+
+
+def _called(jaxpr):
+    """The jaxprs in the params of `jaxpr`'s equations, as held (with constants)."""
+    for eqn in jaxpr.eqns:
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                    yield sub

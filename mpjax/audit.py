@@ -12,7 +12,7 @@ import numpy as np
 
 from mpjax import _compat, _nnx
 from mpjax import policy
-from mpjax._autocast import trace_arrays
+from mpjax._autocast import original_of, trace_arrays
 
 _MATMULS = frozenset(policy.LOW_PRECISION)
 
@@ -135,8 +135,8 @@ def audit(fun: Callable, /, *args, **kwargs) -> AuditReport:
         args = (module, *args)
     equations, casts, flops, low_flops = _walk(_trace(fun, args, kwargs))
     inserted = None
-    wrapper, original = getattr(fun, "__mpjax_autocast__", (None, None))
-    if wrapper is fun:
+    original = original_of(fun)
+    if original is not None:
         inserted = casts - _walk(_trace(original, args, kwargs))[1]
     return AuditReport(tuple(equations), casts, inserted, flops, low_flops)
 

@@ -111,6 +111,13 @@ class Scope:
             return None
         return entry[1]() if callable(entry[1]) else entry[1]
 
+    def release(self) -> None:
+        """Lets go of what the trace recorded: its closures refer back to this
+        scope, and the cycle would hold the arrays (weights) until Python's
+        cycle collector runs."""
+        for table in (self._casts, self._accumulators, self._remakes, self._constants):
+            table.clear()
+
     def seed(self, x, dtype, cast_x) -> None:
         self._casts[(id(x), np.dtype(dtype))] = (x, cast_x)
 

@@ -1,6 +1,7 @@
 """The autocast API: call forms, pytrees, dtypes kept, regions, transforms, errors."""
 
 import functools
+import inspect
 import traceback
 
 import chex
@@ -374,3 +375,100 @@ def test_literals_outside_the_low_range_run_in_float32(constant):
         if e.primitive.name == "div"
     ]
     assert div.outvars[0].aval.dtype == BF16
+
+
+# --- the eager trace cache never returns a stale result --------------------------
+
+
+class _Config:
+    scale = 2.0
+
+
+def test_a_class_passed_as_a_static_argument_is_read_at_every_call():
+    g = mpjax.autocast(lambda x, cfg: x * cfg.scale)
+    x = jnp.ones(2)
+    g(x, _Config)
+    _Config.scale = 5.0
+    try:
+        np.testing.assert_array_equal(g(x, _Config), jnp.full(2, 5.0))
+    finally:
+        _Config.scale = 2.0
+
+
+def test_static_fields_of_a_pytree_node_are_keyed_as_static_arguments():
+    import flax.struct
+
+    @flax.struct.dataclass
+    class P:
+        a: jax.Array
+        k: object = flax.struct.field(pytree_node=False)
+
+    g = mpjax.autocast(lambda p: p.a * p.k)
+    ints = jnp.ones(2, jnp.int32)
+    g(P(ints, 1))
+    assert g(P(ints, 1.0)).dtype == jnp.float32  # 1 == 1.0, but they trace apart
+    cfg = _Config()
+    h = mpjax.autocast(lambda p: p.a * p.k.scale)
+    h(P(jnp.ones(2), cfg))
+    cfg.scale = 9.0
+    np.testing.assert_array_equal(h(P(jnp.ones(2), cfg)), jnp.full(2, 9.0))
+    s = mpjax.autocast(lambda x, z: x * 0 + jnp.angle(z))
+    s(jnp.ones(2), complex(0.0, 0))
+    np.testing.assert_allclose(s(jnp.ones(2), complex(-0.0, 0)), jnp.full(2, np.pi))
+
+
+_W = jnp.full(2, 2.0)
+
+
+def test_a_global_array_read_by_a_nested_jit_is_read_at_every_call():
+    global _W
+    g = mpjax.autocast(lambda x: jax.jit(lambda x: x * _W)(x))
+    g(jnp.ones(2))
+    old, _W = _W, jnp.full(2, 5.0)
+    try:
+        np.testing.assert_array_equal(g(jnp.ones(2)), jnp.full(2, 5.0))
+    finally:
+        _W = old
+
+
+def test_a_dropped_autocast_function_frees_what_it_closes_over_at_once():
+    import gc
+    import weakref
+
+    def make():
+        w = jnp.ones((3, 2))
+        g = mpjax.autocast(lambda x: x @ w)
+        g(jnp.ones((2, 3)))
+        return g, weakref.ref(w)
+
+    gc.disable()
+    try:
+        g, ref = make()
+        del g
+        assert ref() is None  # no reference cycle holds it until the collector runs
+    finally:
+        gc.enable()
+
+
+def test_numpy_values_fun_returns_come_back_as_they_are():
+    out = mpjax.autocast(lambda x: (x.sum(), np.float64(1e300), np.prod(np.int64([2**20] * 2))))(
+        jnp.ones(2)
+    )
+    assert out[1] == 1e300 and out[2] == 2**40 and out[0].dtype == jnp.float32
+
+
+def test_an_nnx_model_keeps_its_call_signature_for_static_argnames():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.dense = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+
+        def __call__(self, x, train: bool):
+            return self.dense(x) * (2.0 if train else 1.0)
+
+    model = Net()
+    casted = mpjax.autocast(model)
+    assert list(inspect.signature(casted).parameters) == ["x", "train"]
+    got = jax.jit(casted, static_argnames="train")(jnp.ones((1, 3)), True)
+    np.testing.assert_allclose(got, model(jnp.ones((1, 3)), True), rtol=1e-2, atol=1e-2)
