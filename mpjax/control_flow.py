@@ -29,6 +29,7 @@ def _inline_call(ctx: Context, eqn, vals, weak):
     The shardings it names for its arguments and results are kept, as constraints."""
     closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
     vals = constrained(vals, eqn.params.get("in_shardings"))
+    ctx = ctx.for_call(eqn)
     with jax.named_scope(f"jit({eqn.params.get('name', eqn.primitive.name)})"):
         outs, _ = eval_closed(ctx, closed, vals, weak)
     return constrained(outs, eqn.params.get("out_shardings"))
@@ -37,8 +38,10 @@ def _inline_call(ctx: Context, eqn, vals, weak):
 def _remat(ctx: Context, eqn, vals, weak):
     """jax.checkpoint: rebuilt around the autocast body, its policy kept."""
 
+    inner = ctx.for_call(eqn)
+
     def body(*args):
-        outs, _ = eval_closed(ctx.child(), eqn.params["jaxpr"], list(args), weak)
+        outs, _ = eval_closed(inner.child(), eqn.params["jaxpr"], list(args), weak)
         return outs
 
     checkpointed = jax.checkpoint(

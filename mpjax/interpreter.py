@@ -156,6 +156,9 @@ class Context(NamedTuple):
     scope: Scope
     float32_only: frozenset = frozenset()
     """Lean policy: the variables read only by float32-list primitives."""
+    float32_outputs: frozenset = frozenset()
+    """Lean policy: the output positions of the jaxpr evaluated next (a call's) that
+    its caller reads only by float32-list primitives."""
     bias_adds: frozenset = frozenset()
     """ids of the equations adding a bias to a product (`mpjax.fusions`)."""
     float32_sums: frozenset = frozenset()
@@ -173,6 +176,12 @@ class Context(NamedTuple):
     casts, a cond's output dtypes), for the whole autocast call: see `solved`."""
     probing: bool = False
     """Inside a probe: a body evaluated abstractly, for its output dtypes only."""
+
+    def for_call(self, eqn) -> Context:
+        """This context, for the body of the call `eqn`: (lean) with the positions
+        of its results that its readers take only as float32."""
+        only = frozenset(i for i, v in enumerate(eqn.outvars) if v in self.float32_only)
+        return self._replace(float32_outputs=only)
 
     def child(self, invariant=(), probing: bool = False) -> Context:
         return self._replace(scope=Scope(self.scope, invariant), probing=self.probing or probing)
@@ -235,7 +244,9 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
     for v, a, w in zip(jaxpr.invars, args, weak, strict=True):
         env[v] = (a, w)
     if ctx.region.lean:
-        ctx = ctx._replace(float32_only=policy.float32_only_consumers(jaxpr))
+        elsewhere = lambda eqn: region_of(eqn, ctx.region) != ctx.region  # noqa: E731
+        only = policy.float32_only_consumers(jaxpr, ctx.float32_outputs, elsewhere)
+        ctx = ctx._replace(float32_only=only, float32_outputs=frozenset())
     fused = fusions.find(jaxpr) if jaxpr.eqns else fusions.NONE
     ctx = ctx._replace(
         bias_adds=fused.bias_adds,

@@ -282,18 +282,48 @@ def widest(dtypes: Iterable) -> np.dtype | None:
     return out
 
 
-def float32_only_consumers(jaxpr) -> frozenset:
-    """The variables whose every reader is a float32-list primitive."""
+def float32_only_consumers(jaxpr, outputs=frozenset(), elsewhere=lambda eqn: False) -> frozenset:
+    """The variables whose every reader is a float32-list primitive, or takes them
+    as they are: a call (a nested jit, a checkpoint, a cond's branches) whose own
+    readers are, a reader `elsewhere` (in a nested region of another precision),
+    or, for the output positions in `outputs`, the caller's readers."""
     readers: dict = {}
     for eqn in jaxpr.eqns:
-        rule = equation_rule(eqn)
-        for v in eqn.invars:
+        inner = _callee_readers(eqn)
+        rule = Rule.FLOAT32 if elsewhere(eqn) else equation_rule(eqn)
+        for i, v in enumerate(eqn.invars):
             if not isinstance(v, _compat.Literal):
-                readers.setdefault(v, set()).add(rule)
-    for v in jaxpr.outvars:
+                readers.setdefault(v, set()).add(rule if inner is None else inner[i])
+    for i, v in enumerate(jaxpr.outvars):
         if not isinstance(v, _compat.Literal):
-            readers.setdefault(v, set()).add(None)
+            readers.setdefault(v, set()).add(Rule.FLOAT32 if i in outputs else None)
     return frozenset(v for v, rules in readers.items() if rules == {Rule.FLOAT32})
+
+
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat2"})
+
+
+def _callee_readers(eqn) -> list | None:
+    """For a call or a cond, per operand: FLOAT32 where every callee reads it only
+    by float32-list primitives, else None; None for any other equation."""
+    name = eqn.primitive.name
+    if name == "cond":
+        callees, skip = eqn.params["branches"], 1  # the index is no operand
+    elif name in _CALLS:
+        callees, skip = [eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))], 0
+    else:
+        return None
+    out = [Rule.FLOAT32] * len(eqn.invars)
+    out[:skip] = [None] * skip
+    for closed in callees:
+        inner = _compat.jaxpr_and_consts(closed)[0]
+        if len(inner.invars) != len(eqn.invars) - skip:
+            return [None] * len(eqn.invars)
+        only = float32_only_consumers(inner)
+        for i, v in enumerate(inner.invars):
+            if v not in only:
+                out[skip + i] = None
+    return out
 
 
 # Primitives that carry a reduction's result to the operand's shape unchanged.

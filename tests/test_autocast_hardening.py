@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 import pytest
 from flax import nnx
 from conftest import F16, F32, all_eqns, rel_tol
@@ -897,3 +898,25 @@ def test_a_callback_without_operands_is_a_run_time_value(low):
     jax.make_jaxpr(mpjax.autocast(f, dtype=low))(w, x)
     assert not calls  # tracing runs no callback
     np.testing.assert_array_equal(jax.jit(mpjax.autocast(f, dtype=low))(w, x), f(w, x))
+
+
+# --- the lean policy's float32 chains ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda w, x: jnp.sum(jax.jit(jnp.square)(x @ w)),
+        lambda w, x: jnp.sum(jax.checkpoint(jnp.square)(x @ w)),
+        lambda w, x: jax.jit(jnp.sum)(jnp.square(x @ w)),
+        lambda w, x: lax.cond(True, jnp.sum, lambda s: jnp.sum(s) * 2, jnp.square(x @ w)),
+        lambda w, x: mpjax.autocast(lambda s: jnp.sum(s), enabled=False)(jnp.square(x @ w)),
+    ],
+    ids=["jit", "checkpoint", "jit reader", "cond reader", "disabled reader"],
+)
+def test_lean_keeps_a_float32_chain_across_calls_and_regions(f):
+    # h is about 300: its square overflows float16, and stays float32 when only
+    # float32-list operations read it, whatever call or region they sit in.
+    w, x = jnp.eye(4) * 30.0, jnp.array([[10.0, -12.0, 9.0, 11.0]])
+    got = mpjax.autocast(f, policy="lean")(w, x)
+    np.testing.assert_allclose(got, f(w, x), rtol=1e-2)
