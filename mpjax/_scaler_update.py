@@ -91,7 +91,8 @@ def _accumulate(inner, config: ScalerConfig, grads, state, params, extra):
 
 
 def check_accumulable(grads, accumulator, k: int) -> None:
-    """A ValueError unless `grads` is shaped as `accumulator`, made at init."""
+    """An error naming the fix unless `grads` is shaped as `accumulator`, made at
+    init (a TypeError for a state made without accumulation)."""
     where = f"grad_scaler update with accumulation_steps={k}"
     if isinstance(accumulator, optax.EmptyState):
         raise TypeError(
