@@ -25,6 +25,11 @@ _STACK = 256
 """At most this many small leaves are stacked into one reduction."""
 
 
+def inexact(x) -> bool:
+    """Whether `x` is floating or complex: a leaf that can hold an inf or a NaN."""
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
 def nonfinite(x) -> jax.Array:
     """Whether `x` holds an inf or a NaN, as a bool scalar.
 

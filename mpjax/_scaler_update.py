@@ -62,7 +62,9 @@ def _accumulate(inner, config: ScalerConfig, grads, state, params, extra):
     check_accumulable(grads, state.grad_accumulator, k)
     total = jax.tree.map(
         lambda acc, g: (
-            acc + g.astype(acc.dtype) * jnp.asarray(weight, acc.dtype) if _is_inexact(g) else acc
+            acc + g.astype(acc.dtype) * jnp.asarray(weight, acc.dtype)
+            if _finite.inexact(g)
+            else acc
         ),
         state.grad_accumulator,
         grads,
@@ -213,7 +215,7 @@ def _bad_updates(config: ScalerConfig, updates, state, inner_state) -> jax.Array
     moments = [
         x
         for x in jax.tree.leaves(inner_state)
-        if _is_inexact(x) and jnp.ndim(x) and (jnp.shape(x), jnp.result_type(x)) in shapes
+        if _finite.inexact(x) and jnp.ndim(x) and (jnp.shape(x), jnp.result_type(x)) in shapes
     ]
     # One check of the updates and the moments together: a handful of kernels.
     return _nonfinite_flags(config, [jax.tree.leaves(updates), moments], {}, state.scale)[0]
@@ -230,7 +232,7 @@ def _either(skip, take):
 
 def _like(total, grads):
     """The accumulated gradients in the dtypes of the micro-batch gradients."""
-    return jax.tree.map(lambda t, g: t.astype(g.dtype) if _is_inexact(g) else g, total, grads)
+    return jax.tree.map(lambda t, g: t.astype(g.dtype) if _finite.inexact(g) else g, total, grads)
 
 
 def _nonfinite_flags(config: ScalerConfig, tree, subtrees, scale, read=None):
@@ -247,7 +249,7 @@ def _nonfinite_flags(config: ScalerConfig, tree, subtrees, scale, read=None):
     """
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     read = [True] * len(flat) if read is None else read
-    flat = [(path, x) for (path, x), r in zip(flat, read, strict=True) if r and _is_inexact(x)]
+    flat = [(path, x) for (path, x), r in zip(flat, read, strict=True) if r and _finite.inexact(x)]
     flags, order, nonfinite = _finite.leaf_flags([x for _, x in flat])
     if subtrees:
         names = tuple(subtrees)
@@ -330,10 +332,6 @@ def _next_scale(
 
 # --------------------------------------------------------------------------
 # Small utilities.
-
-
-def _is_inexact(x) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
 def accumulator_dtype(p):

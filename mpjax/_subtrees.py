@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mpjax import _compat
+from mpjax import _compat, _finite
 from mpjax.scaler_state import SubtreeFlags, register_serialization
 
 
@@ -40,7 +40,7 @@ def subtree_names(params) -> list[str]:
     params = gradient_shaped(params)
     flat, _ = jax.tree_util.tree_flatten_with_path(params)
     levels = depth(params)
-    return sorted({name(path, levels) for path, x in flat if _is_inexact(x)})
+    return sorted({name(path, levels) for path, x in flat if _finite.inexact(x)})
 
 
 def depth(tree) -> int:
@@ -55,10 +55,6 @@ def depth(tree) -> int:
 def name(path, levels: int) -> str:
     """The name of the subtree holding the leaf at `path`, `levels` deep."""
     return jax.tree_util.keystr(_named(path)[:levels]) or "<root>"
-
-
-def _is_inexact(x) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
 def _named(path) -> tuple:
