@@ -199,6 +199,7 @@ def _check_fun(fun) -> None:
             f"function {getattr(fun, '__qualname__', fun)!r}, whose results would be "
             "computed after autocast returns. Return a list of the values instead."
         )
+    _linen.check_function(fun)
     if not callable(fun):
         raise TypeError(
             f"autocast(fun): fun must be callable, got {type(fun).__name__}. Wrap the "

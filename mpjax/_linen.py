@@ -36,6 +36,26 @@ def in_module() -> bool:
     return bool(stack) and stack[-1] is not None
 
 
+def check_function(fun) -> None:
+    """A TypeError if `fun` is a Linen module class, or a module not bound to variables.
+
+    Called, either would end in Flax's own error from inside autocast's trace.
+    """
+    linen = sys.modules.get("flax.linen")
+    if linen is None:
+        return
+    if isinstance(fun, type) and issubclass(fun, linen.Module):
+        got = f"the Flax Linen module class {fun.__name__}"
+    elif isinstance(fun, linen.Module) and fun.scope is None:
+        got = f"the unbound Flax Linen module {type(fun).__name__}()"
+    else:
+        return
+    raise TypeError(
+        f"autocast(fun): got {got}, whose parameters live outside it. Autocast its "
+        "apply: mpjax.autocast(model.apply)(variables, x)."
+    )
+
+
 def check_arguments(args, kwargs) -> None:
     """A TypeError if a Linen module is among the arguments (``@autocast`` on a method)."""
     linen = sys.modules.get("flax.linen")

@@ -125,7 +125,7 @@ def check_accumulation(fn: str, accumulation_steps, accumulation) -> tuple[int, 
     )
 
 
-def check_no_float16(params, inner, inner_state) -> None:
+def check_no_float16(params, inner, inner_state, name: str = "grad_scaler") -> None:
     """Refuses float16 parameters that `inner` updates, as torch refuses to unscale
     float16 gradients (a frozen float16 parameter, with no gradient, is fine there).
 
@@ -143,7 +143,7 @@ def check_no_float16(params, inner, inner_state) -> None:
     if paths:
         shown = ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
         raise ValueError(
-            f"grad_scaler init: the parameters at {shown} are float16. Keep the "
+            f"{name} init: the parameters at {shown} are float16. Keep the "
             "parameters (and the optimizer state) in float32 and let mpjax.autocast "
             "cast them to float16 for the matrix products: an optimizer's small "
             "constants (adam's eps) underflow in float16, its updates are not finite, "

@@ -43,6 +43,11 @@ class ScalerConfig(NamedTuple):
     check_updates: bool
     """Also skip a step whose gradients are finite but whose updates are not."""
 
+    @property
+    def name(self) -> str:
+        """The constructor its errors name (`noop_scaler` is `grad_scaler`, disabled)."""
+        return "grad_scaler" if self.dynamic else "static_scaler"
+
 
 def update(inner, config: ScalerConfig, grads, state, params, extra):
     """The scaler's ``update`` on the gradients of one (micro-)batch."""
@@ -59,7 +64,7 @@ def _accumulate(inner, config: ScalerConfig, grads, state, params, extra):
     # would. Written as the product XLA turns a division by a constant into, so
     # the result is the same on every backend.
     weight = 1.0 / k if config.accumulation == "mean" else 1.0
-    check_accumulable(grads, state.grad_accumulator, k)
+    check_accumulable(grads, state.grad_accumulator, k, config.name)
     total = jax.tree.map(
         lambda acc, g: (
             acc + g.astype(acc.dtype) * jnp.asarray(weight, acc.dtype)
@@ -92,10 +97,10 @@ def _accumulate(inner, config: ScalerConfig, grads, state, params, extra):
     )
 
 
-def check_accumulable(grads, accumulator, k: int) -> None:
+def check_accumulable(grads, accumulator, k: int, name: str = "grad_scaler") -> None:
     """An error naming the fix unless `grads` is shaped as `accumulator`, made at
     init (a TypeError for a state made without accumulation)."""
-    where = f"grad_scaler update with accumulation_steps={k}"
+    where = f"{name} update with accumulation_steps={k}"
     if isinstance(accumulator, optax.EmptyState):
         raise TypeError(
             f"{where}: the state was made by a scaler without accumulation (its "
@@ -278,14 +283,14 @@ def _check_agreed(config: ScalerConfig, flag, scale) -> None:
     if not lone:
         return
     fix = (
-        "Pass axis_name (grad_scaler(inner, axis_name=...)) to combine the finite check "
+        f"Pass axis_name ({config.name}(inner, axis_name=...)) to combine the finite check "
         "over those axes"
         if config.axis_name is None
         else f"axis_name={config.axis_name!r} combines it over the others only: name "
         "every axis the gradients are split along"
     )
     raise ValueError(
-        "grad_scaler update: inside shard_map, the gradients differ between devices "
+        f"{config.name} update: inside shard_map, the gradients differ between devices "
         f"along the mesh axes {lone} and the scaler's state does not, so each device "
         f"would decide alone whether to skip the step. {fix}, or all-reduce the "
         "gradients (lax.pmean) first."

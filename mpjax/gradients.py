@@ -148,6 +148,13 @@ def _loss_and_aux(out, has_aux: bool, differentiated: list):
             )
         loss, aux = out
     elif isinstance(out, (tuple, list)):
+        if len(out) == 2 and _shaped_like(out[1], differentiated):
+            raise ValueError(
+                f"{_NAME}: fun returned (value, a pytree shaped like the parameters): it "
+                "looks like jax.value_and_grad(f). Pass the loss function f itself, "
+                "which scaled_value_and_grad differentiates (or, if the pair is "
+                "(loss, aux), pass has_aux=True)."
+            )
         raise ValueError(
             f"{_NAME}: fun returned a {type(out).__name__} of {len(out)} values; it must "
             "return the scalar loss. If it returns (loss, aux), pass has_aux=True."
@@ -155,8 +162,7 @@ def _loss_and_aux(out, has_aux: bool, differentiated: list):
     else:
         loss, aux = out, None
     if not hasattr(loss, "shape") and not isinstance(loss, (int, float)):
-        structure = jax.tree.structure(loss)
-        if any(structure == jax.tree.structure(a) for a in differentiated):
+        if _shaped_like(loss, differentiated):
             raise ValueError(
                 f"{_NAME}: fun returned a pytree shaped like the parameters, not a "
                 "scalar loss: it looks like a gradient function (jax.grad(f)). Pass the "
@@ -172,6 +178,12 @@ def _loss_and_aux(out, has_aux: bool, differentiated: list):
     if not jnp.issubdtype(loss.dtype, jnp.floating):
         raise ValueError(f"{_NAME}: fun must return a floating-point loss, got dtype {loss.dtype}.")
     return loss, aux
+
+
+def _shaped_like(tree, differentiated: list) -> bool:
+    """Whether `tree` has the structure of a differentiated argument (a gradient)."""
+    structure = jax.tree.structure(tree)
+    return any(structure == jax.tree.structure(a) for a in differentiated)
 
 
 def _describe(x) -> str:

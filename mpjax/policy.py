@@ -210,13 +210,29 @@ CASTABLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float3
 LOW_DTYPES = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16))
 
 
+# torch's names for what JAX traces as other primitives: `rule_for` points to them
+# rather than answer ORIGINAL, which would read as "torch's matmul is not cast".
+_TORCH_NAMES = {
+    **dict.fromkeys(("matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm", "linear",
+                     "einsum", "dot", "mv", "chain_matmul", "prelu"), "dot_general"),
+    **dict.fromkeys(("conv1d", "conv2d", "conv3d", "conv_transpose1d",
+                     "conv_transpose2d", "conv_transpose3d", "convolution"),
+                    "conv_general_dilated"),
+    **dict.fromkeys(("softmax", "log_softmax", "layer_norm", "group_norm", "batch_norm",
+                     "mse_loss", "cross_entropy", "nll_loss", "norm"),
+                    "the primitives JAX traces it to (mpjax.audit lists them)"),
+    "sum": "reduce_sum", "mean": "reduce_sum", "sigmoid": "logistic",
+}  # fmt: skip
+
+
 def rule_for(primitive_name: str, lean: bool = False) -> Rule:
     """The rule autocast applies to a primitive, by name.
 
     Args:
       primitive_name: e.g. ``"dot_general"``, as ``eqn.primitive.name`` gives it
         (or the primitive itself, ``jax.lax.dot_general_p``). Names are JAX's
-        primitives', not torch's: an unknown name runs as written.
+        primitives', not torch's: an unknown name runs as written, and torch's
+        names for other primitives (``"matmul"``, ``"conv2d"``) raise ValueError.
       lean: the rule under ``autocast(..., policy="lean")``.
 
     Examples:
@@ -236,6 +252,11 @@ def rule_for(primitive_name: str, lean: bool = False) -> Rule:
                 f"'dot_general' (eqn.primitive.name), got {type(primitive_name).__name__}."
             )
         primitive_name = name
+    if primitive_name not in POLICY and primitive_name in _TORCH_NAMES:
+        raise ValueError(
+            f"rule_for({primitive_name!r}): {primitive_name!r} is torch's name, not a JAX "
+            f"primitive's; look up {_TORCH_NAMES[primitive_name]} instead."
+        )
     if lean and primitive_name in LEAN_OVERRIDES:
         return LEAN_OVERRIDES[primitive_name]
     return POLICY.get(primitive_name, Rule.ORIGINAL)

@@ -279,7 +279,7 @@ def _loss_scaler(inner, config: ScalerConfig) -> optax.GradientTransformationExt
     def init_fn(params):
         inner_state = inner.init(params)
         if config.enabled:
-            check_no_float16(params, inner, inner_state)
+            check_no_float16(params, inner, inner_state, config.name)
         if config.accumulation_steps > 1:
             accumulator = jax.tree.map(
                 lambda p: jnp.zeros(jnp.shape(p), _scaler_update.accumulator_dtype(p)),
@@ -300,17 +300,17 @@ def _loss_scaler(inner, config: ScalerConfig) -> optax.GradientTransformationExt
 
     def update_fn(updates, state, params=None, **extra):
         if isinstance(state, dict) and set(GradScalerState._fields) <= set(state):
-            raise TypeError(f"grad_scaler update: `state` {RESTORED_WITHOUT_TARGET}")
+            raise TypeError(f"{config.name} update: `state` {RESTORED_WITHOUT_TARGET}")
         if not isinstance(state, GradScalerState):
             raise TypeError(
-                f"grad_scaler update: `state` must be the GradScalerState that this "
+                f"{config.name} update: `state` must be the GradScalerState that this "
                 f"transformation's init returned, got {type(state).__name__}. A "
                 "checkpoint saved without the scaler cannot be resumed with it: build "
                 "the state with tx.init(params) and restore into that structure."
             )
         if jnp.shape(state.scale) != ():
             raise ValueError(
-                f"grad_scaler update: the state's `scale` must be a float32 scalar, got "
+                f"{config.name} update: the state's `scale` must be a float32 scalar, got "
                 f"shape {jnp.shape(state.scale)}. Restore checkpoints into the structure "
                 "tx.init(params) returns (e.g. orbax's restore with that as target)."
             )

@@ -29,6 +29,10 @@ remaining inputs.
 | ``set_scale(state, None / "1024" / True / [2.0])``                 | TypeError naming ``new_scale`` |
 | ``with autocast():`` (torch's spelling)                            | TypeError: autocast is a function transform, not a context manager, and how to wrap |
 | ``rule_for(42)``; ``rule_for(jax.lax.exp_p)``                        | TypeError naming ``primitive_name``; a primitive is read by its name |
+| ``rule_for("matmul")``, ``rule_for("conv2d")``, ``rule_for("softmax")`` (torch's names) | ValueError naming the JAX primitive to look up instead of answering ORIGINAL |
+| ``autocast(LinenModel)``, ``autocast(LinenModel())`` (a class, an unbound module) | TypeError at wrap time: autocast ``model.apply`` |
+| ``static_scaler``'s init on float16 parameters, its update on a wrong state | the errors name ``static_scaler``, not ``grad_scaler`` |
+| ``scaled_value_and_grad(jax.value_and_grad(f), state)``                  | ValueError: looks like ``jax.value_and_grad(f)``, pass ``f`` |
 | a scaler setting injected by ``optax.inject_hyperparams`` (traced)   | the traced-setting ValueError names ``static_args`` |
 | a scaler inside a scaler                                          | the helpers' ValueError gives the inner one's path, ``.inner_state`` included |
 | ``enabled`` or ``check_updates`` other than True / False (``"false"`` from a config file, ``None``, ``0.0``) | ValueError naming the argument |
@@ -530,6 +534,49 @@ def test_rule_for_takes_a_name_or_a_primitive():
     assert mpjax.rule_for(jax.lax.exp_p) is mpjax.rule_for("exp") is mpjax.Rule.FLOAT32
     with pytest.raises(TypeError, match=r"rule_for\(primitive_name\): expected a primitive"):
         mpjax.rule_for(42)
+
+
+@pytest.mark.parametrize(
+    "name, primitive",
+    [("matmul", "dot_general"), ("linear", "dot_general"), ("conv2d", "conv_general_dilated"),
+     ("sigmoid", "logistic"), ("softmax", "mpjax.audit")],
+)  # fmt: skip
+def test_rule_for_a_torch_name_points_to_the_jax_primitive(name, primitive):
+    with pytest.raises(ValueError, match=rf"rule_for\('{name}'\): .*torch's name.*{primitive}"):
+        mpjax.rule_for(name)
+
+
+def test_a_linen_module_as_the_function_points_to_its_apply():
+    import flax.linen as nn
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3)(x).sum()
+
+    model, x = MLP(), jnp.ones((2, 4))
+    for fun, got in ((model, r"unbound Flax Linen module MLP\(\)"), (MLP, "module class MLP")):
+        with pytest.raises(TypeError, match=rf"autocast\(fun\): got the .*{got}.*model\.apply"):
+            mpjax.autocast(fun)
+    variables = model.init(jax.random.key(0), x)  # the way that works
+    chex.assert_trees_all_close(
+        mpjax.autocast(model.apply)(variables, x), model.apply(variables, x), atol=1e-2
+    )
+
+
+def test_static_scaler_errors_name_static_scaler():
+    tx = mpjax.static_scaler(optax.sgd(0.1), 8.0)
+    with pytest.raises(ValueError, match=r"^static_scaler init: the parameters at \['w'\]"):
+        tx.init({"w": jnp.ones(3, jnp.float16)})
+    with pytest.raises(TypeError, match=r"^static_scaler update: `state` must be"):
+        tx.update(PARAMS, optax.sgd(0.1).init(PARAMS))
+
+
+def test_scaled_value_and_grad_of_value_and_grad_says_to_pass_the_loss():
+    state = grad_scaler(optax.sgd(0.1)).init(PARAMS)
+    loss = lambda p: sum(jnp.sum(x**2) for x in jax.tree.leaves(p))
+    with pytest.raises(ValueError, match=r"looks like jax\.value_and_grad\(f\)\. Pass"):
+        mpjax.scaled_value_and_grad(jax.value_and_grad(loss), state)(PARAMS)
 
 
 @pytest.mark.parametrize(
