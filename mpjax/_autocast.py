@@ -27,6 +27,7 @@ from mpjax import _linen
 from mpjax import _nnx
 from mpjax import _trace_cache
 from mpjax import control_flow  # noqa: F401  (registers the higher-order rules)
+from mpjax import custom_rules  # noqa: F401  (registers the custom-derivative rules)
 from mpjax import policy
 from mpjax import policy as policy_module  # `policy` is also autocast's argument
 from mpjax._casting import F32

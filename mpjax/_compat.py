@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import weakref
 
 import jax
 from jax.extend import core as jex_core
@@ -21,11 +22,8 @@ source_info_util.register_exclusion(os.path.dirname(__file__))
 
 
 def jaxpr_and_consts(jaxpr):
-    """(open jaxpr, consts) of a closed or open jaxpr.
-
-    In jax 0.12 `ClosedJaxpr` is an alias of `Jaxpr` and `.jaxpr` is the object
-    itself, so closedness is read from attributes, never from `isinstance`.
-    """
+    """(open jaxpr, consts) of a closed or open jaxpr (read from attributes: in jax
+    0.12 `ClosedJaxpr` is an alias of `Jaxpr`, whose `.jaxpr` is itself)."""
     return getattr(jaxpr, "jaxpr", jaxpr), tuple(getattr(jaxpr, "consts", ()))
 
 
@@ -94,11 +92,9 @@ def _transformed(x) -> bool:
 
 def _bound(eqn, params):
     """``primitive.bind(*args, **params)`` as a function of `args`, for a bind a
-    transformation sees: a jit of the bind, inlined, where the params can be a
-    cache key. Under `grad`, JAX linearizes a bare bind anew at every equation and
-    a jit's once per input types, so a model's repeated layers are linearized
-    once, as `jnp`'s functions are. Where only jit traces the bind, a bare bind
-    is cheaper."""
+    transformation sees: an inlined jit of it where the params can be a cache key.
+    `grad` linearizes a bare bind at every equation, a jit's once per input types
+    (a model's repeated layers once, as `jnp`'s functions); jit alone binds bare."""
     primitive = eqn.primitive
     try:
         key = tuple(sorted(params.items()))
@@ -144,8 +140,7 @@ def with_weak_type(x, weak: bool):
 @contextlib.contextmanager
 def equation_context(eqn):
     """Binds under `eqn`'s user traceback, name scope and context (an `auto_axes`
-    region's mesh), as `jax.core.eval_jaxpr` does: new equations point at the
-    user's source line, and a bind's errors are reported against it."""
+    region's mesh), as `jax.core.eval_jaxpr` does: errors point at the user's line."""
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     traceback = eqn.source_info.traceback
     with source_info_util.user_context(traceback, name_stack=name_stack), eqn.ctx.manager:
@@ -215,20 +210,12 @@ def sub_jaxprs(params):
 
 
 def weight_gradient(product, ct, low):
-    """``product(ct)`` for a weight-gradient product of the 16-bit cotangent `ct`,
-    in the dtype each backend multiplies it in.
-
-    `low` everywhere but for bfloat16 on the CPU backend, whose dot kernel
-    rejects bfloat16 x bfloat16 -> float32 products in the layouts XLA gives
-    weight gradients ("Unsupported element type for DotThunk"): there the
-    cotangent's bfloat16 values go as float32, exactly (as do the other operand's),
-    and the backend sums the same products in float32. The choice is
-    made where the program is lowered, for the platform it is lowered for
-    (``lax.platform_dependent``), not by the backend this process happens to
-    default to: a program exported or compiled ahead of time for a GPU on a
-    CPU host keeps its 16-bit products, and one placed on the CPU of a GPU
-    host still runs.
-    """
+    """``product(ct)`` for a weight-gradient product of the 16-bit cotangent `ct`:
+    in `low`, but for bfloat16 on the CPU, whose dot kernel rejects bf16 x bf16 ->
+    f32 in the layouts XLA gives weight gradients ("Unsupported element type for
+    DotThunk"): there the bfloat16 values go as float32, exactly, summed alike.
+    Chosen for the platform the program is lowered for (``lax.platform_dependent``):
+    a program exported for a GPU on a CPU host keeps its 16-bit products."""
     if low != jax.numpy.bfloat16:
         return product(ct)
     return jax.lax.platform_dependent(
@@ -250,13 +237,26 @@ def is_tracer(x) -> bool:
 
 
 def trace_context():
-    """The configuration that changes what tracing a function gives, as `jax.jit`
-    keys its cache on it (x64, default matmul precision, the axis environment)."""
-    try:
-        from jax._src import config
-    except ImportError:  # pragma: no cover - a JAX without it: the public x64 flag
-        return (jax.config.jax_enable_x64,)
+    """What changes what tracing gives, as `jax.jit` keys its cache on it (x64,
+    default matmul precision, the axis environment)."""
+    from jax._src import config
+
     return config.trace_context()
+
+
+def is_stale_tracer(x) -> bool:
+    """Whether `x` is a value of a jaxpr trace that has ended (``jax.make_jaxpr``'s,
+    whose end clears its frame's constant table to a dict from a WeakValueDictionary)."""
+    frame = getattr(getattr(x, "_trace", None), "frame", None)
+    table = getattr(frame, "constid_to_tracer", None)
+    return table is not None and not isinstance(table, weakref.WeakValueDictionary)
+
+
+def wrapped_like(fun, like):
+    """`fun` as a `WrappedFun` (a custom_vjp's bwd parameter), with `like`'s debug info."""
+    from jax._src import linear_util as lu
+
+    return lu.wrap_init(fun, debug_info=like.debug_info)
 
 
 def varying_axes(aval) -> tuple:

@@ -1,5 +1,5 @@
-"""The rules of the higher-order primitives: nested jit, remat, shard_map,
-custom_jvp, custom_vmap, cond, scan and while.
+"""The rules of the higher-order primitives: nested jit, remat, shard_map, cond,
+scan and while.
 
 Each rule rebuilds its primitive around bodies that the interpreter evaluates
 under the same policy (`mpjax.interpreter.eval_jaxpr`), so the casts inside a
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mpjax import _compat, _constants, _products
+from mpjax import _compat, _constants
 from mpjax import policy
 from mpjax._casting import constrained, dtype_of
 from mpjax.interpreter import HIGHER_ORDER, Context, Scope, eval_closed, eval_jaxpr
@@ -58,97 +58,6 @@ def _shard_map(ctx: Context, eqn, vals, weak):
         return tuple(outs)
 
     return list(jax.shard_map(body, **_compat.shard_map_kwargs(eqn.params))(*vals))
-
-
-def _custom_jvp(ctx: Context, eqn, vals, weak):
-    """Rebuilt as a new custom_jvp whose primal and rule are both autocast.
-
-    Primal outputs of the rule are cast to the primal function's output dtypes
-    and tangents to the matching tangent dtypes, as custom_jvp requires.
-    """
-    if _compat.called_name(eqn) == _products.LOW_PRODUCT and all(
-        dtype_of(x) == v.aval.dtype for x, v in zip(vals, eqn.invars)
-    ):
-        # A product an inner region already made: its operands are as it made them.
-        return _compat.bind(eqn, *vals)
-    params = eqn.params
-    n_consts = params["num_consts"]
-    rule, rule_consts, leading, out_zeros = _compat.custom_jvp_rule(params, len(vals) - n_consts)
-
-    def primal(*args):
-        outs, _ = eval_closed(ctx.child(), params["call_jaxpr"], list(args), weak)
-        return outs
-
-    def jvp(primals, tangents):
-        out_avals = jax.eval_shape(primal, *primals)
-        n_args = len(primals) - n_consts
-        child = ctx.child()
-        try:
-            outs, _ = eval_jaxpr(
-                child,
-                rule,
-                rule_consts,
-                [*leading, *primals[n_consts:], *tangents[n_consts:]],
-                [False] * len(leading) + [*weak[n_consts:], *[False] * n_args],
-            )
-        except jax.errors.UnexpectedTracerError as e:
-            raise TypeError(_CLOSED_OVER.format(_compat.user_frame(eqn))) from e
-        n = len(out_avals)
-        nonzero = iter(outs[n:])
-        tangent_outs = [
-            jnp.zeros(a.shape, a.dtype) if z else next(nonzero)
-            for a, z in zip(out_avals, out_zeros)
-        ]
-        primal_outs = [child.scope.cast(o, a.dtype) for o, a in zip(outs[:n], out_avals)]
-        tangent_outs = [child.scope.cast(t, a.dtype) for t, a in zip(tangent_outs, out_avals)]
-        return primal_outs, tangent_outs
-
-    rebuilt = jax.custom_jvp(primal)
-    rebuilt.defjvp(lambda primals, tangents: jvp(list(primals), list(tangents)))
-    return list(rebuilt(*vals))
-
-
-_CLOSED_OVER = (
-    "mpjax.autocast: the jax.custom_jvp function called at {} reads, in its jvp rule, "
-    "a value computed inside the autocast function (closed over, or passed in "
-    "nondiff_argnums). A rule read from a traced program cannot be run again on "
-    "such a value (jax.core.eval_jaxpr cannot either). Pass the value to the "
-    "custom_jvp function as an ordinary argument."
-)
-
-
-def _custom_vmap(ctx: Context, eqn, vals, weak):
-    """Rebuilt as a new custom_vmap whose function and vmap rule are both autocast.
-
-    The rule is traced at the original dtypes (and the batched shapes) and
-    evaluated under the policy; its outputs are cast to the function's output
-    dtypes, as the primitive requires of its rule.
-    """
-    call, rule = _compat.custom_vmap_parts(eqn.params)
-
-    def primal(*args):
-        outs, _ = eval_closed(ctx.child(), call, list(args), weak)
-        return outs
-
-    def vmap_rule(axis_size, in_batched, *args):
-        unbatched = [_compat.abstract(a, dtype_of(a), b) for a, b in zip(args, in_batched)]
-        out_avals = jax.eval_shape(primal, *unbatched)
-        out_batched = []
-
-        def original_rule(*xs):
-            outs, batched = rule(axis_size, in_batched, xs)
-            out_batched[:] = batched
-            return outs
-
-        at_original_dtypes = [_compat.abstract(a, v.aval.dtype) for a, v in zip(args, eqn.invars)]
-        child = ctx.child()
-        closed = jax.make_jaxpr(original_rule)(*at_original_dtypes)
-        outs, _ = eval_closed(child, closed, list(args), weak)
-        return [child.scope.cast(o, a.dtype) for o, a in zip(outs, out_avals)], list(out_batched)
-
-    rebuilt = jax.custom_batching.custom_vmap(primal)
-    rebuilt.def_vmap(vmap_rule)
-    return list(rebuilt(*vals))
 
 
 def _cond(ctx: Context, eqn, vals, weak):
@@ -381,9 +290,8 @@ def _while_per_element(pred, body_fn, init):
     return list(lax.while_loop(lambda c: jnp.any(pred(c)), body, init))
 
 
-# The table: primitive name -> rule. custom_vjp_call is deliberately absent: it
-# runs as written at its original input dtypes (`Rule.ORIGINAL`), so the user's
-# backward rule stays exact.
+# The table: primitive name -> rule (custom_jvp, custom_vjp and custom_vmap's are
+# in `mpjax.custom_rules`).
 HIGHER_ORDER["jit"] = _inline_call
 HIGHER_ORDER["pjit"] = _inline_call
 HIGHER_ORDER["closed_call"] = _inline_call
@@ -391,8 +299,6 @@ HIGHER_ORDER["core_call"] = _inline_call
 HIGHER_ORDER["remat2"] = _remat
 HIGHER_ORDER["checkpoint"] = _remat
 HIGHER_ORDER["shard_map"] = _shard_map
-HIGHER_ORDER["custom_jvp_call"] = _custom_jvp
-HIGHER_ORDER["custom_vmap_call"] = _custom_vmap
 HIGHER_ORDER["cond"] = _cond
 HIGHER_ORDER["scan"] = _scan
 HIGHER_ORDER["while"] = _while

@@ -762,6 +762,91 @@ def test_custom_jvp_closing_over_a_value_of_the_function_itself_is_a_clear_error
         jax.grad(mpjax.autocast(loss), argnums=1)(w, x)
 
 
+def test_custom_jvp_closing_over_a_value_of_the_function_is_refused_under_jit_too():
+    """Under jit the stale value would be lifted as a hidden input: the export of
+    such a gradient returned wrong numbers. It is refused while jit traces."""
+
+    def loss(w, x):
+        return jnp.sum(_custom_jvp_reading(w)(x @ w))
+
+    w, x = jnp.eye(3) * 0.5, jnp.ones((2, 3))
+    step = jax.jit(jax.grad(mpjax.autocast(loss), argnums=1))
+    with pytest.raises(TypeError, match=r"custom_jvp function called at .*ordinary argument"):
+        step.lower(w, x)
+
+
+def _reversal(lam):
+    """A gradient-reversal layer whose bwd rule reads `lam`."""
+
+    @jax.custom_vjp
+    def reverse(h):
+        return h
+
+    reverse.defvjp(lambda h: (h, None), lambda _, g: (-lam * g,))
+    return reverse
+
+
+def _scaled_by(c):
+    @jax.custom_gradient
+    def f(h):
+        return h * c, lambda g: (g * c * 0.5,)
+
+    return f
+
+
+@pytest.mark.parametrize("layer", [_reversal, _scaled_by])
+def test_custom_vjp_reading_a_value_of_the_function_is_a_clear_error(layer):
+    """Its rules, read back from the traced program, hold that trace's value. Under
+    jax.export the gradient came out wrong (1.25e-3 for 6.25e-3) with no error."""
+
+    def loss(w, x, lam):
+        return jnp.mean(jnp.tanh(layer(lam)(x @ w)) ** 2)
+
+    w, x, lam = jnp.full((4, 4), 0.1), jnp.ones((2, 4)), jnp.float32(0.5)
+    # The forward pass runs, as without autocast.
+    np.testing.assert_allclose(mpjax.autocast(loss)(w, x, lam), loss(w, x, lam), rtol=1e-2)
+    message = r"custom_vjp function called at .*ordinary argument"
+    with pytest.raises(TypeError, match=message):
+        jax.grad(mpjax.autocast(loss))(w, x, lam)
+    with pytest.raises(TypeError, match=message):
+        jax.jit(jax.grad(mpjax.autocast(loss))).lower(w, x, lam)
+
+
+def test_custom_vjp_reading_a_value_of_an_outer_jit_trains():
+    w, x = jnp.full((4, 4), 0.1), jnp.ones((2, 4))
+
+    @jax.jit
+    def grads(w, x, lam):
+        loss = lambda w: jnp.mean(jnp.tanh(_reversal(lam)(x @ w)) ** 2)
+        return jax.grad(mpjax.autocast(loss))(w), jax.grad(loss)(w)
+
+    got, want = grads(w, x, jnp.float32(0.5))
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-5)
+
+
+def test_custom_jvp_with_an_integer_output_is_differentiated():
+    """Its tangent is float0, as JAX requires; it was cast to int32 (ValueError)."""
+
+    @jax.custom_jvp
+    def with_count(x):
+        return jnp.sin(x), jnp.sum(x > 0).astype(jnp.int32)
+
+    @with_count.defjvp
+    def _(primals, tangents):
+        (x,), (t,) = primals, tangents
+        out = with_count(x)
+        return out, (jnp.cos(x) * t, np.zeros((), jax.dtypes.float0))
+
+    def loss(w, x):
+        y, n = with_count(x @ w)
+        return jnp.sum(y) * n.astype(jnp.float32)
+
+    w, x = jnp.full((4, 4), 0.1), jnp.ones((2, 4))
+    want = jax.grad(loss)(w, x)
+    for step in (jax.grad(mpjax.autocast(loss)), jax.jit(jax.grad(mpjax.autocast(loss)))):
+        np.testing.assert_allclose(step(w, x), want, rtol=1e-2)
+
+
 def test_export_with_a_symbolic_batch_dimension(low):
     """`jax.export` shape polymorphism: sizes are symbolic, and compare only
     where they can (a bias add, a softmax, an arange over the batch)."""
@@ -848,11 +933,11 @@ def test_a_number_divided_by_a_value_is_a_float32_reciprocal(low):
 
 def test_nextafter_steps_in_the_dtype_of_its_16_bit_operands(low):
     x16 = jnp.array([1.0, 2.0, 0.1], F16)
-    nxt = lambda x: jnp.nextafter(x, jnp.inf)  # noqa: E731
+    nxt = lambda x: jnp.nextafter(x, jnp.inf)
     chex.assert_trees_all_equal(mpjax.autocast(nxt, dtype=low)(x16), nxt(x16))
     chex.assert_trees_all_equal(mpjax.autocast(jnp.spacing, dtype=low)(x16), jnp.spacing(x16))
     key, bf16 = jax.random.key(0), jnp.bfloat16
-    sample = lambda k: jax.random.truncated_normal(k, -1.0, 1.0, (20000,), dtype=bf16)  # noqa: E731
+    sample = lambda k: jax.random.truncated_normal(k, -1.0, 1.0, (20000,), dtype=bf16)
     assert jnp.all(jnp.abs(mpjax.autocast(sample, dtype=low)(key).astype(F32)) < 1.0)
 
 

@@ -1,0 +1,184 @@
+"""The rules of the custom-derivative primitives: custom_jvp, custom_vjp, custom_vmap.
+
+A custom_jvp and a custom_vmap are rebuilt around bodies and rules that the
+interpreter evaluates under the policy; a custom_vjp runs as written, its backward
+rule exact. A rule is read back from the traced program: one that reads a value of
+that program (closed over, or in ``nondiff_argnums``) cannot run again, and says so.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpjax import _compat, _products, first_order
+from mpjax._casting import dtype_of
+from mpjax.interpreter import HIGHER_ORDER, Context, eval_closed, eval_jaxpr
+
+
+def _custom_jvp(ctx: Context, eqn, vals, weak):
+    """Rebuilt as a new custom_jvp whose primal and rule are both autocast.
+
+    Primal outputs of the rule are cast to the primal function's output dtypes
+    and tangents to the matching tangent dtypes, as custom_jvp requires.
+    """
+    if _compat.called_name(eqn) == _products.LOW_PRODUCT and all(
+        dtype_of(x) == v.aval.dtype for x, v in zip(vals, eqn.invars)
+    ):
+        # A product an inner region already made: its operands are as it made them.
+        return _compat.bind(eqn, *vals)
+    params = eqn.params
+    n_consts = params["num_consts"]
+    rule, rule_consts, leading, out_zeros = _compat.custom_jvp_rule(params, len(vals) - n_consts)
+
+    def primal(*args):
+        outs, _ = eval_closed(ctx.child(), params["call_jaxpr"], list(args), weak)
+        return outs
+
+    def jvp(primals, tangents):
+        if any(_compat.is_stale_tracer(c) for c in (*rule_consts, *leading)):
+            raise TypeError(_CLOSED_OVER.format(_compat.user_frame(eqn)))
+        out_avals = jax.eval_shape(primal, *primals)
+        n_args = len(primals) - n_consts
+        child = ctx.child()
+        try:
+            outs, _ = eval_jaxpr(
+                child,
+                rule,
+                rule_consts,
+                [*leading, *primals[n_consts:], *tangents[n_consts:]],
+                [False] * len(leading) + [*weak[n_consts:], *[False] * n_args],
+            )
+        except jax.errors.UnexpectedTracerError as e:
+            raise TypeError(_CLOSED_OVER.format(_compat.user_frame(eqn))) from e
+        n = len(out_avals)
+        nonzero = iter(outs[n:])
+        tangent_outs = [
+            _zero_tangent(a) if z else next(nonzero) for a, z in zip(out_avals, out_zeros)
+        ]
+        primal_outs = [child.scope.cast(o, a.dtype) for o, a in zip(outs[:n], out_avals)]
+        tangent_outs = [
+            child.scope.cast(t, a.dtype) if _inexact(a) else _zero_tangent(a)
+            for t, a in zip(tangent_outs, out_avals)
+        ]
+        return primal_outs, tangent_outs
+
+    rebuilt = jax.custom_jvp(primal)
+    rebuilt.defjvp(lambda primals, tangents: jvp(list(primals), list(tangents)))
+    return list(rebuilt(*vals))
+
+
+_CLOSED_OVER = (
+    "mpjax.autocast: the jax.custom_jvp function called at {} reads, in its jvp rule, "
+    "a value computed inside the autocast function (closed over, or passed in "
+    "nondiff_argnums). A rule read from a traced program cannot be run again on "
+    "such a value (jax.core.eval_jaxpr cannot either). Pass the value to the "
+    "custom_jvp function as an ordinary argument."
+)
+_BWD_CLOSED_OVER = (
+    "mpjax.autocast: the jax.custom_vjp function called at {} reads, in its fwd or bwd "
+    "rule, "
+    "a value of the autocast function itself (an argument, or a value computed from "
+    "one). A rule read from a traced program cannot be run again on such a value "
+    "(jax.core.eval_jaxpr cannot either). Pass the value to the custom_vjp function "
+    "as an ordinary argument (its cotangent may be zero), or build the function with "
+    "jax.closure_convert."
+)
+
+
+def _custom_vjp(ctx: Context, eqn, vals, weak):
+    """Runs as written at its original input dtypes (`Rule.ORIGINAL`), so the user's
+    backward rule stays exact; a bwd rule that reads a value of the traced program
+    raises when it runs, rather than read that value from a trace that has ended."""
+    rules = {k: eqn.params[k] for k in ("fwd_jaxpr_thunk", "bwd")}
+    if any(_reads_stale(rule) for rule in rules.values()):
+
+        def refuse(*_):
+            raise TypeError(_BWD_CLOSED_OVER.format(_compat.user_frame(eqn)))
+
+        refused = {k: _compat.wrapped_like(refuse, rule) for k, rule in rules.items()}
+        eqn = eqn.replace(params={**eqn.params, **refused})
+    return first_order.policy_rule(ctx, eqn, vals, weak)
+
+
+def _reads_stale(fun, depth: int = 0) -> bool:
+    """Whether a rule reaches a value of a trace that has ended, through closures,
+    `functools.partial` arguments and `WrappedFun`s (``jax.custom_gradient``'s
+    user function is seven levels down)."""
+    if _compat.is_stale_tracer(fun):
+        return True
+    if depth > 8:
+        return False
+    if isinstance(fun, (list, tuple)):
+        parts = fun[:64]
+    elif isinstance(fun, dict):
+        parts = list(fun.values())[:64]
+    elif isinstance(fun, functools.partial):
+        parts = [fun.func, fun.args, fun.keywords]
+    elif callable(fun) or hasattr(fun, "call_wrapped"):  # a WrappedFun is not callable
+        cells = getattr(fun, "__closure__", None) or ()
+        parts = [getattr(fun, "f", None), *(c.cell_contents for c in cells if _filled(c))]
+    else:
+        return False
+    return any(_reads_stale(p, depth + 1) for p in parts)
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a cell not assigned yet
+        return False
+    return True
+
+
+def _inexact(aval) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def _zero_tangent(aval):
+    """The zero tangent of an output: float0 for an integer or boolean one, as JAX requires."""
+    if _inexact(aval):
+        return jnp.zeros(aval.shape, aval.dtype)
+    return np.zeros(aval.shape, jax.dtypes.float0)
+
+
+def _custom_vmap(ctx: Context, eqn, vals, weak):
+    """Rebuilt as a new custom_vmap whose function and vmap rule are both autocast.
+
+    The rule is traced at the original dtypes (and the batched shapes) and
+    evaluated under the policy; its outputs are cast to the function's output
+    dtypes, as the primitive requires of its rule.
+    """
+    call, rule = _compat.custom_vmap_parts(eqn.params)
+
+    def primal(*args):
+        outs, _ = eval_closed(ctx.child(), call, list(args), weak)
+        return outs
+
+    def vmap_rule(axis_size, in_batched, *args):
+        unbatched = [_compat.abstract(a, dtype_of(a), b) for a, b in zip(args, in_batched)]
+        out_avals = jax.eval_shape(primal, *unbatched)
+        out_batched = []
+
+        def original_rule(*xs):
+            outs, batched = rule(axis_size, in_batched, xs)
+            out_batched[:] = batched
+            return outs
+
+        at_original_dtypes = [_compat.abstract(a, v.aval.dtype) for a, v in zip(args, eqn.invars)]
+        child = ctx.child()
+        closed = jax.make_jaxpr(original_rule)(*at_original_dtypes)
+        outs, _ = eval_closed(child, closed, list(args), weak)
+        return [child.scope.cast(o, a.dtype) for o, a in zip(outs, out_avals)], list(out_batched)
+
+    rebuilt = jax.custom_batching.custom_vmap(primal)
+    rebuilt.def_vmap(vmap_rule)
+    return list(rebuilt(*vals))
+
+
+HIGHER_ORDER["custom_jvp_call"] = _custom_jvp
+HIGHER_ORDER["custom_vjp_call"] = _custom_vjp
+HIGHER_ORDER["custom_vmap_call"] = _custom_vmap
