@@ -244,6 +244,8 @@ class Walk:
                 inputs_finite = all(s.finite for s in in_stats)
                 if inputs_finite and not all(s.finite for s in floats):
                     self._zoom(eqn, vals, stack, back)  # first, so the inner equation is seen first
+                elif inputs_finite:  # its 16-bit values are measured too (the loss scale's)
+                    self._zoom(eqn, vals, stack, back, measure=True)
                 self.observe(
                     Event(eqn, stack, back, inputs_finite, in_stats, floats, vals, outs, inside)
                 )
@@ -274,10 +276,10 @@ class Walk:
             return None
         return self._run(jaxpr, consts, vals, stack, back, inside, seeded)
 
-    def _zoom(self, eqn, vals, stack, back):
-        """A scan that made the first non-finite values: run again, one iteration
-        at a time, to report the equation inside."""
-        if eqn.primitive.name != "scan" or not self.zoom(back):
+    def _zoom(self, eqn, vals, stack, back, measure=False):
+        """A scan run again, one iteration at a time: to report the equation inside
+        that made the first non-finite values, or to `measure` the values inside."""
+        if eqn.primitive.name != "scan" or not (measure or self.zoom(back)):
             return
         num_consts, num_carry = _compat.scan_counts(eqn.params)
         jaxpr, consts = _compat.jaxpr_and_consts(eqn.params["jaxpr"])

@@ -37,23 +37,32 @@ def in_module() -> bool:
 
 
 def check_function(fun) -> None:
-    """A TypeError if `fun` is a Linen module class, or a module not bound to variables.
-
-    Called, either would end in Flax's own error from inside autocast's trace.
-    """
+    """A TypeError if `fun` is a Linen module class, a module not bound to variables
+    (either would end in Flax's error from inside autocast's trace), or one bound with
+    mutable collections (they would be left holding values of autocast's trace)."""
     linen = sys.modules.get("flax.linen")
     if linen is None:
         return
+    module = getattr(fun, "__self__", fun)  # a bound method's module
     if isinstance(fun, type) and issubclass(fun, linen.Module):
         got = f"the Flax Linen module class {fun.__name__}"
     elif isinstance(fun, linen.Module) and fun.scope is None:
         got = f"the unbound Flax Linen module {type(fun).__name__}()"
+    elif _bound_mutable(module) and not in_module():  # inside one: `no_leaks` checks
+        # Its collections would be written from autocast's trace, and keep its values.
+        got = f"the Flax Linen module {type(module).__name__} bound with mutable collections"
     else:
         return
     raise TypeError(
-        f"autocast(fun): got {got}, whose parameters live outside it. Autocast its "
-        "apply: mpjax.autocast(model.apply)(variables, x)."
+        f"autocast(fun): got {got}. Autocast its apply: "
+        "mpjax.autocast(model.apply)(variables, x), with mutable=[...] for the "
+        "collections it updates."
     )
+
+
+def _bound_mutable(module) -> bool:
+    linen = sys.modules["flax.linen"]
+    return isinstance(module, linen.Module) and bool(module.scope and module.scope.mutable)
 
 
 def check_arguments(args, kwargs) -> None:

@@ -13,6 +13,7 @@ absent from `sys.modules` no argument can hold one and nothing is imported.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import jax
@@ -58,6 +59,10 @@ def bound_module(fun):
     owner = getattr(fun, "__self__", None)
     if isinstance(owner, nnx.Module) and hasattr(fun, "__func__"):
         return owner, fun.__func__
+    if isinstance(fun, functools.partial) and fun.args and isinstance(fun.args[0], nnx.Module):
+        # A method under a Flax decorator (``@nnx.jit``): a partial of the module.
+        call, rest, keywords = fun.func, fun.args[1:], fun.keywords
+        return fun.args[0], lambda m, *a, **k: call(m, *rest, *a, **{**keywords, **k})
     return None
 
 
@@ -99,17 +104,43 @@ def call_with_state(call, fun, args, kwargs):
             # Unchanged values come back as the very tracers that went in.
             same = new_graphdef.with_no_outer_index() == graphdef.with_no_outer_index()
             same = same and _same_leaves(new_state, state)
-            return out, _Static((new_graphdef, same)), new_state
+            return _marked(out, new_nodes), _Static((new_graphdef, same)), new_state
 
         others = [None if i in where else x for i, x in enumerate(leaves)]
         out, static, new_state = call(pure, (state, others))
         new_graphdef, same = static.value
-        if same:  # nothing to write: a module from outside a transform reads fine
-            return out
-        _check_writable([leaves[i] for i in where])
-        with nnx.merge_context(tag, inner=False) as ctx:
-            ctx.merge(new_graphdef, new_state)
-    return out
+        if not same:  # else nothing to write: a module from outside a transform reads fine
+            _check_writable([leaves[i] for i in where])
+            with nnx.merge_context(tag, inner=False) as ctx:
+                ctx.merge(new_graphdef, new_state)
+    return _unmarked(out, [leaves[i] for i in where])
+
+
+def _marked(out, nodes):
+    """`out` with each argument module (or its submodule, Variable) it returns
+    replaced by its place among `nodes`: the caller gets its own object back, as
+    from a plain call or `nnx.jit`, not a copy made inside the trace."""
+    from flax import nnx
+
+    places = {}
+    for j, node in enumerate(nodes):
+        for path, sub in nnx.graph.iter_graph(node):
+            places.setdefault(id(sub), (j, tuple(path)))
+    leaves, treedef = _nnx_leaves(out)
+    marked = [_Place(places[id(x)]) if id(x) in places else x for x in leaves]
+    return jax.tree.unflatten(treedef, marked)
+
+
+def _unmarked(out, originals):
+    def resolve(place):
+        j, path = place.value
+        node = originals[j]
+        for key in path:
+            node = node[key] if isinstance(node, (list, tuple, dict)) else getattr(node, key)
+        return node
+
+    is_place = lambda x: isinstance(x, _Place)  # noqa: E731
+    return jax.tree.map(lambda x: resolve(x) if is_place(x) else x, out, is_leaf=is_place)
 
 
 def _same_leaves(a, b) -> bool:
@@ -141,3 +172,7 @@ class _Static:
 
     def __init__(self, value):
         self.value = value
+
+
+class _Place(_Static):
+    """Where a returned module sits among the arguments' (`_marked`)."""

@@ -555,10 +555,18 @@ def test_a_linen_module_as_the_function_points_to_its_apply():
             return nn.Dense(3)(x).sum()
 
     model, x = MLP(), jnp.ones((2, 4))
-    for fun, got in ((model, r"unbound Flax Linen module MLP\(\)"), (MLP, "module class MLP")):
+    variables = model.init(jax.random.key(0), x)
+    bound = model.bind(variables, mutable=["batch_stats"])
+    for fun, got in (
+        (model, r"unbound Flax Linen module MLP\(\)"),
+        (MLP, "module class MLP"),
+        (bound, "MLP bound with mutable collections"),
+        (bound.__call__, "MLP bound with mutable collections"),
+    ):
         with pytest.raises(TypeError, match=rf"autocast\(fun\): got the .*{got}.*model\.apply"):
             mpjax.autocast(fun)
-    variables = model.init(jax.random.key(0), x)  # the way that works
+    assert mpjax.autocast(model.bind(variables))(x).dtype == jnp.float32  # read-only: runs
+    # the way that works
     chex.assert_trees_all_close(
         mpjax.autocast(model.apply)(variables, x), model.apply(variables, x), atol=1e-2
     )

@@ -547,3 +547,25 @@ def test_a_linen_layer_passed_as_params_is_refused_with_the_fix():
     # Its `dtype` field is None: not a floating array.
     with pytest.raises(ValueError, match="holds no floating-point arrays"):
         mpjax.diagnose(lambda m, x: jnp.sum(x), nn.Dense(3), jnp.ones((2, 3)))
+
+
+def test_the_16_bit_values_inside_a_scan_are_measured():
+    """Layers in a scan (nn.scan, nnx.scan, lax.scan) get the advice of the same
+    layers unrolled: the largest 16-bit backward value was read from the scan's
+    outputs alone (0 here), and the report said no scale brings the gradients back."""
+    ws = jax.random.normal(jax.random.key(0), (3, 16, 16)) * 0.3
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+
+    def scanned(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jax.nn.relu(h @ w), None), x, ws)
+        return jnp.mean(h**2)
+
+    def unrolled(ws, x):
+        h = x
+        for i in range(3):
+            h = jax.nn.relu(h @ ws[i])
+        return jnp.mean(h**2)
+
+    got, want = mpjax.diagnose(scanned, ws, x).runs[0], mpjax.diagnose(unrolled, ws, x).runs[0]
+    assert got.max_gradient == want.max_gradient > 0
+    assert got.recommended_scale == want.recommended_scale is not None

@@ -551,3 +551,43 @@ def test_nnx_recipe_keeps_batch_stats_on_a_skipped_step():
     chex.assert_trees_all_equal(nnx.state(model, (nnx.Param, nnx.BatchStat)), before)
     ns["step"](model, optimizer, x, y)
     assert not bool(jnp.all(model.norm.mean[...] == before["norm"]["mean"][...]))
+
+
+def test_an_nnx_jit_method_is_autocast_with_its_module():
+    """``@nnx.jit`` makes ``model.predict`` a partial of the module, not a bound
+    method: closed over, the module was written from autocast's trace, and Flax's
+    failed write-back left it without its layers."""
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(16, 8, rngs=rngs)
+
+        @nnx.jit
+        def predict(self, x):
+            return self.linear(x)
+
+    model, x = Model(nnx.Rngs(0)), jnp.ones((4, 16))
+    want = model.predict(x)
+    got = mpjax.autocast(model.predict)(x)
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+    report = mpjax.audit(mpjax.autocast(model.predict), x)
+    assert report.low_precision_flops == report.matmul_flops > 0
+    np.testing.assert_array_equal(model.predict(x), want)  # the module is intact
+
+
+def test_an_nnx_module_returned_by_the_function_is_the_callers_own():
+    """As from a plain call or nnx.jit: the module, its submodule and its Variable,
+    updated; they were copies made inside autocast's trace, stale after a step."""
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(4, 4, rngs=rngs)
+            self.bn = nnx.BatchNorm(4, rngs=rngs)
+
+    def f(m, x):
+        return m.bn(m.linear(x)).sum(), m, m.bn, m.bn.mean
+
+    model, x = Model(nnx.Rngs(0)), jnp.arange(8.0).reshape(2, 4)
+    _, m, bn, mean = mpjax.autocast(f)(model, x)
+    assert m is model and bn is model.bn and mean is model.bn.mean
+    assert float(jnp.abs(model.bn.mean[...]).sum()) > 0  # the update was written back
