@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax import _compat, _products, first_order
+from mpjax import _compat, _products, first_order, policy
 from mpjax._casting import dtype_of
 from mpjax.interpreter import HIGHER_ORDER, Context, eval_closed, eval_jaxpr
 
@@ -38,11 +38,15 @@ def _custom_jvp(ctx: Context, eqn, vals, weak):
         outs, _ = eval_closed(ctx.child(), params["call_jaxpr"], list(args), weak)
         return outs
 
+    n_args = len(vals) - n_consts
+    widen = _tangents_reach_sums(rule, rule.invars[len(rule.invars) - n_args :])
+
     def jvp(primals, tangents):
         if any(_compat.is_stale_tracer(c) for c in (*rule_consts, *leading)):
             raise TypeError(_CLOSED_OVER.format(_compat.user_frame(eqn)))
         out_avals = jax.eval_shape(primal, *primals)
-        n_args = len(primals) - n_consts
+        if widen:  # the rule's sums of tangents, transposed, are float32 sums
+            tangents = [_float32(t) for t in tangents]
         child = ctx.child()
         try:
             outs, _ = eval_jaxpr(
@@ -132,6 +136,37 @@ def _filled(cell) -> bool:
     except ValueError:  # a cell not assigned yet
         return False
     return True
+
+
+def _tangents_reach_sums(jaxpr, tangents) -> bool:
+    """Whether a rule applies to its tangents a primitive whose transpose sums (a
+    broadcast, a gather): given 16-bit tangents, the backward pass would sum in
+    16 bits, the rule being differentiated by JAX, not by the policy."""
+    reached = set(tangents)
+    for eqn in jaxpr.eqns:
+        if not any(v in reached for v in eqn.invars if not isinstance(v, _compat.Literal)):
+            continue
+        if eqn.primitive.name in policy.FLOAT32_SUMS or any(
+            _sums_anywhere(_compat.jaxpr_and_consts(sub)[0])
+            for sub in _compat.sub_jaxprs(eqn.params)
+        ):
+            return True
+        reached.update(eqn.outvars)
+    return False
+
+
+def _sums_anywhere(jaxpr) -> bool:
+    return any(
+        eqn.primitive.name in policy.FLOAT32_SUMS
+        or any(
+            _sums_anywhere(_compat.jaxpr_and_consts(s)[0]) for s in _compat.sub_jaxprs(eqn.params)
+        )
+        for eqn in jaxpr.eqns
+    )
+
+
+def _float32(x):
+    return _compat.convert_element_type(x, jnp.float32) if dtype_of(x) in policy.LOW_DTYPES else x
 
 
 def _inexact(aval) -> bool:

@@ -407,3 +407,34 @@ def test_vmap_inside_autocast_or_grad_inside_vmap_sums_in_float32(low):
         np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2)
     for program in (jax.make_jaxpr(jax.grad(inside))(s), jax.make_jaxpr(outside)(s, x)):
         assert sixteen_bit_sums(program) == []
+
+
+@jax.custom_jvp
+def _scale_rows(h, c):
+    return h * c[:, None]
+
+
+@_scale_rows.defjvp
+def _scale_rows_jvp(primals, tangents):
+    (h, c), (dh, dc) = primals, tangents
+    return _scale_rows(h, c), dh * c[:, None] + h * dc[:, None]  # broadcasts a tangent
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        lambda w, v, x: jnp.sum(_scale_rows(x @ w, (x @ v)[:, 0])),
+        lambda w, v, x: jnp.sum(jax.scipy.special.zeta(2.0 + jnp.abs(x @ w), 1.0)),
+        lambda w, v, x: jnp.linalg.det((x @ w)[:, :8].T @ (x @ w)[:, :8] / 4 + jnp.eye(8)),
+    ],
+    ids=["user rule", "zeta", "det"],
+)
+def test_a_custom_jvp_rule_that_broadcasts_a_tangent_sums_in_float32(loss, low):
+    """JAX differentiates a custom_jvp's rule itself: the transpose of a broadcast
+    or gather of a 16-bit tangent was a 16-bit sum (bf16[1, 64] reduce_sum here).
+    Such a rule gets float32 tangents."""
+    w, v, x = jnp.full((2, 64), 0.5), jnp.ones((2, 1)), jnp.ones((2, 2))
+    step = jax.grad(mpjax.autocast(loss, dtype=low), argnums=(0, 1))
+    assert sixteen_bit_sums(jax.make_jaxpr(step)(w, v, x).jaxpr) == []
+    want = jax.grad(loss, argnums=(0, 1))(w, v, x)
+    chex.assert_trees_all_close(jax.jit(step)(w, v, x), want, rtol=rel_tol(low), atol=1e-3)
