@@ -32,16 +32,18 @@ def _custom_jvp(ctx: Context, eqn, vals, weak):
         return _compat.bind(eqn, *vals)
     params = eqn.params
     n_consts = params["num_consts"]
-    rule, rule_consts, leading, out_zeros = _compat.custom_jvp_rule(params, len(vals) - n_consts)
 
     def primal(*args):
         outs, _ = eval_closed(ctx.child(), params["call_jaxpr"], list(args), weak)
         return outs
 
     n_args = len(vals) - n_consts
-    widen = _tangents_reach_sums(rule, rule.invars[len(rule.invars) - n_args :])
 
     def jvp(primals, tangents):
+        # Traced only when differentiated, as JAX does: a rule may not trace at all
+        # (erfcx's second-order one on jax 0.12), and the forward pass needs none.
+        rule, rule_consts, leading, out_zeros = _compat.custom_jvp_rule(params, n_args)
+        widen = _tangents_reach_sums(rule, rule.invars[len(rule.invars) - n_args :])
         if any(_compat.is_stale_tracer(c) for c in (*rule_consts, *leading)):
             raise TypeError(_CLOSED_OVER.format(_compat.user_frame(eqn)))
         out_avals = jax.eval_shape(primal, *primals)

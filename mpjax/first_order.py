@@ -168,7 +168,9 @@ def _sums_in_float32(region, name) -> bool:
 # How the primitives of `policy.SUMMED_BY_AUTODIFF` get float32 derivatives.
 # Those linear in their floating inputs run on 16-bit values as they are, with a
 # custom JVP at float32 (`_float32_tangent`): no convert in the forward pass.
-_LINEAR = frozenset({"broadcast_in_dim", "tile", "gather", "pad", "all_gather", "pvary"})
+_LINEAR = frozenset({
+    "broadcast_in_dim", "tile", "gather", "pad", "all_gather", "all_gather_invariant", "pvary",
+})  # fmt: skip
 # reduce_max and reduce_min too, with JAX's JVP rule taken at float32.
 _CHOOSERS = frozenset({"reduce_max", "reduce_min"})
 # The others run at float32 and round back; these keep a function of their operand

@@ -83,7 +83,7 @@ WIDEST = _table(Rule.WIDEST, [
     "eq", "ne", "lt", "le", "gt", "ge",
     "select_n", "clamp", "concatenate", "stack", "pad",
     "dynamic_update_slice",
-    "scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max",
+    "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
     "select_and_scatter_add", "select_and_gather_add",
 ])
 
@@ -93,7 +93,7 @@ WIDEST = _table(Rule.WIDEST, [
 AS_RECEIVED = _table(Rule.AS_RECEIVED, [
     # layout and indexing
     "reshape", "broadcast_in_dim", "tile", "squeeze", "expand_dims", "transpose", "rev",
-    "slice", "dynamic_slice", "gather", "copy", "copy_p", "split",
+    "slice", "dynamic_slice", "gather", "copy", "copy_p", "split", "unstack",
     "sharding_constraint", "device_put", "mesh_cast", "reshard", "pvary",
     "optimization_barrier", "stop_gradient", "reduce_precision", "iota",
     "name",  # jax.ad_checkpoint.checkpoint_name
@@ -108,7 +108,8 @@ AS_RECEIVED = _table(Rule.AS_RECEIVED, [
     "argmax", "argmin", "cummax", "cummin", "sort", "top_k", "approx_top_k",
     "reduce_window_max", "reduce_window_min",
     # collectives
-    "psum", "psum_invariant", "pmax", "pmin", "ppermute", "all_gather", "all_to_all",
+    "psum", "psum_invariant", "pmax", "pmin", "ppermute", "all_gather",
+    "all_gather_invariant", "all_to_all",
     "psum_scatter", "reduce_scatter", "axis_index", "pbroadcast",
 ])
 
@@ -145,10 +146,10 @@ SUMMED_BY_AUTODIFF = frozenset({
     "broadcast_in_dim", "tile", "pad", "gather", "scatter", "scatter-max", "scatter-min",
     "reduce_max", "reduce_min", "reduce_window_max", "reduce_window_min",
     "cummax", "cummin", "select_and_gather_add", "sort", "top_k", "approx_top_k",
-    "all_gather", "pvary", "pbroadcast",
+    "all_gather", "all_gather_invariant", "pvary", "pbroadcast",
 })
 SUMMING = frozenset({
-    "scatter-add", "scatter_add", "scatter-mul", "select_and_scatter_add",
+    "scatter-add", "scatter_add", "scatter-sub", "scatter-mul", "select_and_scatter_add",
     "psum", "psum_invariant", "psum_scatter", "reduce_scatter",
 })
 FLOAT32_SUMS = SUMMED_BY_AUTODIFF | SUMMING
@@ -157,8 +158,8 @@ FLOAT32_SUMS = SUMMED_BY_AUTODIFF | SUMMING
 # The collectives among them sum across devices. ``autocast(..., reduce_dtype=dtype)``
 # asks for those all-reduces in 16 bits, for the bandwidth: they then run as received.
 COLLECTIVE_SUMS = frozenset({
-    "all_gather", "pvary", "pbroadcast", "psum", "psum_invariant", "psum_scatter",
-    "reduce_scatter",
+    "all_gather", "all_gather_invariant", "pvary", "pbroadcast", "psum", "psum_invariant",
+    "psum_scatter", "reduce_scatter",
 })
 
 # Elementwise primitives broadcast a size-1 or scalar operand implicitly, and
@@ -186,7 +187,7 @@ POINTWISE = frozenset({
 # matrix product is rounded by the product anyway.
 LAYOUT = frozenset({
     "reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "slice",
-    "rev", "copy", "copy_p", "sharding_constraint", "split", "concatenate", "name",
+    "rev", "copy", "copy_p", "sharding_constraint", "split", "unstack", "concatenate", "name",
     # where the values lie, not what they are
     "reshard", "mesh_cast", "device_put", "pvary",
 })
@@ -194,7 +195,7 @@ LAYOUT = frozenset({
 
 # A parameter stays one through these, and through the all_gather of its shards
 # (FSDP under shard_map): its products' gradients are float32 sums (`mpjax.fusions`).
-CARRY_PARAMETERS = LAYOUT | frozenset({"all_gather"})
+CARRY_PARAMETERS = LAYOUT | frozenset({"all_gather", "all_gather_invariant"})
 
 # The memory-lean policy changes these rules. An embedding lookup gathers from a
 # low-precision table, so the activations it starts are low precision.

@@ -1005,3 +1005,39 @@ def test_lean_keeps_a_float32_chain_across_calls_and_regions(f):
     w, x = jnp.eye(4) * 30.0, jnp.array([[10.0, -12.0, 9.0, 11.0]])
     got = mpjax.autocast(f, policy="lean")(w, x)
     np.testing.assert_allclose(got, f(w, x), rtol=1e-2)
+
+
+def test_rows_unstacked_from_a_product_stay_16_bit(low):
+    """jnp.unstack, and `for r in h` on jax 0.12, bind `unstack`: it had no table
+    line, so each row was cast back to float32 and what followed ran in float32."""
+
+    def f(x, w):
+        return [jnp.tanh(r) for r in jnp.unstack(x @ w)]
+
+    x, w = jnp.ones((3, 4)), jnp.full((4, 4), 0.1)
+    eqns = [e for e in all_eqns(jax.make_jaxpr(mpjax.autocast(f, dtype=low))(x, w).jaxpr)]
+    tanh = [e for e in eqns if e.primitive.name == "tanh"]
+    assert len(tanh) == 3 and all(e.invars[0].aval.dtype == low for e in tanh)
+
+
+def test_a_custom_jvp_rule_is_traced_only_when_differentiated():
+    """As JAX does. A rule that cannot be traced broke the forward pass; and on
+    jax 0.12 jax.scipy.special.erfcx's second-order rule does not trace, which broke
+    the gradient of any function calling it (mpjax traced the rule of the erfcx
+    called inside erfcx's own rule)."""
+
+    @jax.custom_jvp
+    def f(x):
+        return jnp.sin(x)
+
+    @f.defjvp
+    def _(primals, tangents):
+        raise NotImplementedError("this rule is only for a later release")
+
+    x, w = jnp.ones((2, 3)), jnp.full((3, 3), 0.2)
+    np.testing.assert_allclose(mpjax.autocast(lambda x: f(x @ w))(x), f(x @ w), rtol=1e-2)
+
+    def loss(x):
+        return jnp.sum(jax.scipy.special.erfcx(x @ w))
+
+    np.testing.assert_allclose(jax.grad(mpjax.autocast(loss))(x), jax.grad(loss)(x), rtol=1e-2)

@@ -402,6 +402,27 @@ def test_a_weight_reached_through_sharding_keeps_a_float32_gradient(reach):
     np.testing.assert_allclose(g, jnp.full((4, 4), 16.0), rtol=1e-6)
 
 
+@pytest.mark.parametrize("to", ["varying", "invarying"])
+def test_a_weight_gathered_from_its_shards_keeps_a_float32_gradient(to):
+    # FSDP under shard_map: lax.all_gather(..., to="invarying") binds
+    # all_gather_invariant. Not known as carrying a parameter, its product's weight
+    # gradient was a 16-bit result on each device: inf past 65504 (1.3e5 here).
+    mesh = jax.make_mesh((N_DEV,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    x, w = jnp.full((8 * N_DEV, 8), 2.0), jnp.full((8, 8), 0.25)
+
+    def loss(w, x):
+        def inner(x, w):
+            h = x @ lax.all_gather(w, "d", tiled=True, to=to)
+            return lax.pmean(jnp.mean(h * h), "d")
+
+        specs = dict(mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P())
+        return jax.shard_map(inner, **specs)(x, w)
+
+    scaled = lambda f: lambda w, x: f(w, x) * 2.0**19  # noqa: E731
+    got = jax.jit(jax.grad(scaled(mpjax.autocast(loss))))(w, x)
+    np.testing.assert_allclose(got, jax.jit(jax.grad(scaled(loss)))(w, x), rtol=1e-3)
+
+
 def test_a_weight_resharded_under_explicit_sharding_keeps_a_float32_all_reduce():
     from jax.sharding import AxisType, reshard
 

@@ -438,3 +438,12 @@ def test_a_custom_jvp_rule_that_broadcasts_a_tangent_sums_in_float32(loss, low):
     assert sixteen_bit_sums(jax.make_jaxpr(step)(w, v, x).jaxpr) == []
     want = jax.grad(loss, argnums=(0, 1))(w, v, x)
     chex.assert_trees_all_close(jax.jit(step)(w, v, x), want, rtol=rel_tol(low), atol=1e-3)
+
+
+def test_a_scatter_subtract_of_repeated_indices_sums_in_float32(low):
+    # x.at[i].subtract: bfloat16 counting stopped at -256 for 4096 repeats.
+    def f(table, idx):
+        return table.at[idx].subtract(jnp.ones(idx.shape, table.dtype)).astype(jnp.float32)
+
+    table, idx = jnp.zeros((4,), low), jnp.zeros((4096,), jnp.int32)
+    np.testing.assert_array_equal(mpjax.autocast(f, dtype=low)(table, idx), [-4096.0, 0, 0, 0])
