@@ -85,3 +85,36 @@ def _gpu_barrier(x):
     TPU fuses elementwise producers into its matrix products)."""
     barrier = jax.lax.optimization_barrier
     return jax.lax.platform_dependent(x, cuda=barrier, rocm=barrier, default=lambda v: v)
+
+
+def bind_quotient(eqn, x, y, **updates):
+    """``x / y``, bound. JAX's derivative in a 16-bit divisor `y` squares it in its
+    dtype (``y**-2``: 0 past 256 and inf below 2**-8 in float16); here it is
+    ``(x / y) / y``, as torch's, taken at float32 and rounded once. The derivative in
+    `x` is JAX's, so a division by a constant is differentiated as before."""
+    if updates or dtype_of(y) not in _LOW or any(jax.typeof(a).weak_type for a in (x, y)):
+        return _compat.bind(eqn, x, y, **updates)
+    return [_quotient(x, y)]
+
+
+_LOW = frozenset({np.dtype("float16")})  # bfloat16 has float32's range: y**-2 is fine
+
+
+@jax.custom_jvp
+def _quotient(x, y):
+    return jax.lax.div(x, y)
+
+
+def _quotient_jvp(primals, tangents):
+    (x, y), (tx, ty) = primals, tangents
+    q = _quotient(x, y)
+    out = None if type(tx) is jax.custom_derivatives.SymbolicZero else tx / y  # JAX's
+    if type(ty) is not jax.custom_derivatives.SymbolicZero:
+        y32 = convert(y, F32, False)
+        term = convert(ty, F32, False) * (convert(x, F32, False) / y32) / y32
+        term = convert(-term, dtype_of(q), False)
+        out = term if out is None else out + term
+    return q, (jax.numpy.zeros_like(q) if out is None else out)
+
+
+_quotient.defjvp(_quotient_jvp, symbolic_zeros=True)

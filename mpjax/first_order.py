@@ -25,6 +25,10 @@ from mpjax import _products
 from mpjax import fusions
 from mpjax import policy
 from mpjax._casting import F32, convert, dtype_of, explicit_sharding, fewer, is_concrete, size
+from mpjax._pointwise import bind_quotient
+
+# Primitives bound with a derivative of their own, not JAX's (`bind_quotient`).
+_BIND = {"div": bind_quotient}
 from mpjax.policy import Rule
 
 
@@ -106,7 +110,7 @@ def policy_rule(ctx, eqn, vals, weak):
             updates["preferred_element_type"] = low
     if "update_jaxpr" in eqn.params and args and dtype_of(args[0]) != eqn.invars[0].aval.dtype:
         updates.update(_compat.retype_scalar_jaxpr(eqn.params, dtype_of(args[0])))
-    outs = _compat.bind(eqn, *args, **updates)
+    outs = _BIND.get(eqn.primitive.name, _compat.bind)(eqn, *args, **updates)
     return fusions.constant_broadcast(ctx, eqn, args, outs)
 
 
@@ -335,7 +339,7 @@ def _broadcast_in_float32(ctx, eqn, vals, targets, weak):
                 return [convert(t, low, False)]
 
             (xs[i],) = _float32_tangent(primal, tangent)(xs[i])
-        return _compat.bind(eqn, *xs)
+        return _BIND.get(eqn.primitive.name, _compat.bind)(eqn, *xs)
 
     if eqn.primitive.name not in ("add", "sub"):
         compute = jax.checkpoint(compute, prevent_cse=False)

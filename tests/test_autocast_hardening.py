@@ -1041,3 +1041,25 @@ def test_a_custom_jvp_rule_is_traced_only_when_differentiated():
         return jnp.sum(jax.scipy.special.erfcx(x @ w))
 
     np.testing.assert_allclose(jax.grad(mpjax.autocast(loss))(x), jax.grad(loss)(x), rtol=1e-2)
+
+
+def test_the_derivative_in_a_float16_divisor_does_not_square_it():
+    """JAX's derivative of x / y in y is -x * y**-2, with y**-2 in y's dtype: in
+    float16 0 past |y| = 256 and inf below 2**-8. A softsign h / (|h| + 1) of
+    activations near 300 had a gradient 250 times float32's (the term was lost)."""
+    x, w = jnp.linspace(250.0, 350.0, 8).reshape(2, 4), jnp.eye(4)
+
+    def softsign(x, w):
+        h = x @ w
+        return jnp.sum(h / (jnp.abs(h) + 1.0))
+
+    for policy in ("torch", "lean"):
+        got = jax.grad(mpjax.autocast(softsign, policy=policy))(x, w)
+        np.testing.assert_allclose(got, jax.grad(softsign)(x, w), rtol=0.2)  # 16-bit cancellation
+
+    # A small divisor: y**-2 = 2**18 overflows float16; (x / y) / y does not.
+    def ratio(y):
+        return jnp.sum(((y * 0.5) / y).astype(jnp.float32))  # 0.5: its gradient is 0
+
+    y = jnp.full((4,), 2.0**-9, jnp.float16)
+    np.testing.assert_array_equal(jax.grad(mpjax.autocast(ratio))(y), jnp.zeros(4, jnp.float16))
