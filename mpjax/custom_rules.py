@@ -97,44 +97,78 @@ _BWD_CLOSED_OVER = (
 
 def _custom_vjp(ctx: Context, eqn, vals, weak):
     """Runs as written at its original input dtypes (`Rule.ORIGINAL`), so the user's
-    backward rule stays exact; a bwd rule that reads a value of the traced program
-    raises when it runs, rather than read that value from a trace that has ended."""
-    rules = {k: eqn.params[k] for k in ("fwd_jaxpr_thunk", "bwd")}
-    if any(_reads_stale(rule) for rule in rules.values()):
+    backward rule stays exact. A rule that can reach a value of the traced program
+    is checked when it runs: one that reads it raises, rather than read it from a
+    trace that has ended (under `jax.export`, a wrong hidden input)."""
+    fwd, bwd = eqn.params["fwd_jaxpr_thunk"], eqn.params["bwd"]
+    if not (_reads_stale(fwd) or _reads_stale(bwd)):
+        return first_order.policy_rule(ctx, eqn, vals, weak)
 
-        def refuse(*_):
-            raise TypeError(_BWD_CLOSED_OVER.format(_compat.user_frame(eqn)))
+    def refuse():
+        raise TypeError(_BWD_CLOSED_OVER.format(_compat.user_frame(eqn)))
 
-        refused = {k: _compat.wrapped_like(refuse, rule) for k, rule in rules.items()}
-        eqn = eqn.replace(params={**eqn.params, **refused})
-    return first_order.policy_rule(ctx, eqn, vals, weak)
+    def checked_fwd(*zeros):
+        jaxpr, consts = fwd.call_wrapped(*zeros)
+        if any(_compat.is_stale_tracer(c) for c in consts):
+            refuse()
+        return jaxpr, consts
+
+    def checked_bwd(*args):
+        # Traced apart first, for what it reads; then run as JAX runs it.
+        try:
+            consts = _compat.jaxpr_and_consts(jax.make_jaxpr(bwd.call_wrapped)(*args))[1]
+        except TypeError:  # results that are no arrays (symbolic zeros): unchecked
+            consts = ()
+        if any(_compat.is_stale_tracer(c) for c in consts):
+            refuse()
+        return bwd.call_wrapped(*args)
+
+    checked = {"fwd_jaxpr_thunk": (checked_fwd, fwd), "bwd": (checked_bwd, bwd)}
+    params = {k: _compat.wrapped_like(f, like) for k, (f, like) in checked.items()}
+    return first_order.policy_rule(ctx, eqn.replace(params={**eqn.params, **params}), vals, weak)
 
 
-def _reads_stale(fun, depth: int = 0) -> bool:
-    """Whether a rule reaches a value of a trace that has ended, through closures,
-    `functools.partial` arguments and `WrappedFun`s (``jax.custom_gradient``'s
-    user function is seven levels down)."""
-    if _compat.is_stale_tracer(fun):
-        return True
-    if depth > 8:
-        return False
-    if isinstance(fun, (list, tuple)):
-        parts = fun[:64]
-    elif isinstance(fun, dict):
-        parts = list(fun.values())[:64]
-    elif isinstance(fun, functools.partial):
-        parts = [fun.func, fun.args, fun.keywords]
-    elif callable(fun) or hasattr(fun, "call_wrapped"):  # a WrappedFun is not callable
-        cells = getattr(fun, "__closure__", None) or ()
-        parts = [getattr(fun, "f", None), *(c.cell_contents for c in cells if _filled(c))]
-    else:
-        return False
-    return any(_reads_stale(p, depth + 1) for p in parts)
+def _reads_stale(fun) -> bool:
+    """Whether a rule can reach a value of a trace that has ended, through closures,
+    `functools.partial` arguments, bound methods, objects' attributes and
+    `WrappedFun`s (``jax.custom_gradient``'s user function is seven levels down).
+    Breadth first, at most 4096 objects: what it reaches is then checked exactly."""
+    seen, level = set(), [fun]
+    for _ in range(9):
+        parts = []
+        for x in level:
+            if id(x) in seen or len(seen) > 4096:
+                continue
+            seen.add(id(x))
+            if _compat.is_stale_tracer(x):
+                return True
+            parts.extend(_parts(x))
+        level = parts
+    return False
+
+
+def _parts(x) -> list:
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    if isinstance(x, dict):
+        return list(x.values())
+    if isinstance(x, functools.partial):
+        return [x.func, x.args, x.keywords]
+    fields = getattr(x, "__dict__", None) if not isinstance(x, type) else None
+    if not (callable(x) or hasattr(x, "call_wrapped")):  # a WrappedFun is not callable
+        return list(fields.values()) if isinstance(fields, dict) else []
+    cells = getattr(x, "__closure__", None) or ()
+    return [
+        getattr(x, "f", None),
+        getattr(x, "__self__", None),
+        *(c.cell_contents for c in cells if _filled(c)),
+        *(fields.values() if isinstance(fields, dict) else ()),
+    ]
 
 
 def _filled(cell) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents
     except ValueError:  # a cell not assigned yet
         return False
     return True

@@ -812,6 +812,46 @@ def test_custom_vjp_reading_a_value_of_the_function_is_a_clear_error(layer):
         jax.jit(jax.grad(mpjax.autocast(loss))).lower(w, x, lam)
 
 
+def test_custom_vjp_whose_rule_holds_but_does_not_read_a_value_of_the_function_trains():
+    """The check is what the rule reads, not what it can reach: a config dict beside
+    the inputs, read for its float alone, trains as without autocast."""
+
+    def loss(w, x):
+        cfg = {"clip": 0.5, "inputs": x}
+
+        @jax.custom_vjp
+        def clip_grad(h):
+            return h
+
+        clip_grad.defvjp(
+            lambda h: (h, None), lambda _, g: (jnp.clip(g, -cfg["clip"], cfg["clip"]),)
+        )
+        return jnp.sum(clip_grad(x @ w))
+
+    w, x = jnp.full((4, 4), 0.1), jnp.ones((2, 4))
+    np.testing.assert_allclose(jax.grad(mpjax.autocast(loss))(w, x), jax.grad(loss)(w, x))
+
+
+def test_custom_vjp_reading_a_value_through_an_object_is_a_clear_error():
+    class Scale:
+        def __init__(self, s):
+            self.s = s
+
+    def loss(w, x):
+        state = Scale(jnp.sum(x))
+
+        @jax.custom_vjp
+        def f(h):
+            return h
+
+        f.defvjp(lambda h: (h, None), lambda _, g: (g * state.s,))
+        return jnp.sum(f(x @ w))
+
+    w, x = jnp.full((4, 4), 0.1), jnp.ones((2, 4))
+    with pytest.raises(TypeError, match=r"custom_vjp function called at .*ordinary argument"):
+        jax.jit(jax.grad(mpjax.autocast(loss))).lower(w, x)
+
+
 def test_custom_vjp_reading_a_value_of_an_outer_jit_trains():
     w, x = jnp.full((4, 4), 0.1), jnp.ones((2, 4))
 
