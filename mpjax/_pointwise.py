@@ -1,6 +1,7 @@
 """An activation function between two products, evaluated as torch's fused
 activation kernels do (`mpjax.fusions` finds it): at float32 on a 16-bit
 activation, its result rounded once, and rematerialized for the backward pass.
+And the division by a float16 value, whose derivative is taken as torch takes it.
 """
 
 from __future__ import annotations
@@ -92,12 +93,10 @@ def bind_quotient(eqn, x, y, **updates):
     dtype (``y**-2``: 0 past 256 and inf below 2**-8 in float16); here it is
     ``(x / y) / y``, as torch's, taken at float32 and rounded once. The derivative in
     `x` is JAX's, so a division by a constant is differentiated as before."""
-    if updates or dtype_of(y) not in _LOW or any(jax.typeof(a).weak_type for a in (x, y)):
+    # bfloat16 has float32's range: its y**-2 is fine.
+    if updates or dtype_of(y) != np.float16 or any(jax.typeof(a).weak_type for a in (x, y)):
         return _compat.bind(eqn, x, y, **updates)
     return [_quotient(x, y)]
-
-
-_LOW = frozenset({np.dtype("float16")})  # bfloat16 has float32's range: y**-2 is fine
 
 
 @jax.custom_jvp

@@ -26,10 +26,10 @@ from mpjax import fusions
 from mpjax import policy
 from mpjax._casting import F32, convert, dtype_of, explicit_sharding, fewer, is_concrete, size
 from mpjax._pointwise import bind_quotient
+from mpjax.policy import Rule
 
 # Primitives bound with a derivative of their own, not JAX's (`bind_quotient`).
 _BIND = {"div": bind_quotient}
-from mpjax.policy import Rule
 
 
 def _targets(rule: Rule, eqn, vals, weak, low, lean=False, scope=None) -> list:
