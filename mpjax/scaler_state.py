@@ -278,9 +278,13 @@ def scaler_stats(opt_state: Any) -> dict[str, jax.Array]:
     Returns:
       A dict with ``scale`` (float32), ``growth_tracker`` (int32),
       ``skipped_steps`` (int32: effective steps skipped so far),
-      ``last_step_skipped`` (bool) and ``nonfinite_subtrees`` (a dict from each
-      top-level parameter subtree's path to a bool: whether its gradients were
-      not finite in the latest effective step).
+      ``last_step_skipped`` (bool: the latest effective step's verdict),
+      ``step_applied`` (bool: whether the latest ``update`` applied the
+      wrapped optimizer's step: it ended an effective batch, not skipped;
+      with ``accumulation_steps=k`` it is False on k - 1 micro-batches in k: count
+      steps with it) and ``nonfinite_subtrees`` (a dict from each top-level
+      parameter subtree's path to a bool: whether its gradients were not finite in
+      the latest effective step).
 
     Raises:
       ValueError: if `opt_state` holds no `GradScalerState`, or several, or
@@ -300,6 +304,8 @@ def scaler_stats(opt_state: Any) -> dict[str, jax.Array]:
         "growth_tracker": _value(state.growth_tracker),
         "skipped_steps": _value(state.skipped_steps),
         "last_step_skipped": _value(state.last_step_skipped),
+        # The last micro-batch of an effective batch resets micro_step to 0.
+        "step_applied": (_value(state.micro_step) == 0) & ~_value(state.last_step_skipped),
         "nonfinite_subtrees": _subtree_values(state.nonfinite_subtrees),
     }
 

@@ -271,7 +271,7 @@ class ScaledTrainState(train_state.TrainState):
 
     def apply_gradients(self, *, grads, **kwargs):
         updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
-        applied = ~mpjax.scaler_stats(opt_state)["last_step_skipped"]
+        applied = mpjax.scaler_stats(opt_state)["step_applied"]
         return self.replace(
             step=self.step + applied.astype(self.step.dtype),
             params=optax.apply_updates(self.params, updates),
@@ -311,6 +311,36 @@ def test_linen_train_state_step_counts_applied_steps_only():
     assert int(skipped.step) == 1
     chex.assert_trees_all_equal(skipped.params, state.params)
     assert int(train_step(skipped, X, Y).step) == 2
+
+
+def test_linen_train_state_step_counts_effective_steps_under_accumulation():
+    # With accumulation, update is called once per micro-batch and the optimizer
+    # steps on every k-th: step must count those, as adam's own count does.
+    model = _MLP()
+    params = model.init(jax.random.key(0), X)["params"]
+    tx = mpjax.grad_scaler(optax.adam(1e-3), accumulation_steps=3, accumulation="mean")
+    state = ScaledTrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    apply = mpjax.autocast(model.apply)
+
+    def linen_loss(params, x, y):
+        logits = apply({"params": params}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    @jax.jit
+    def train_step(state, x, y):
+        _, grads = mpjax.scaled_value_and_grad(linen_loss, state.opt_state)(state.params, x, y)
+        return state.apply_gradients(grads=grads)
+
+    bad_x = X.at[0, 0].set(jnp.inf)
+    batches = [X] * 6 + [X, bad_x, X] + [X] * 2  # the third effective batch is skipped
+    applied = []
+    for x in batches:
+        state = train_step(state, x, Y)
+        applied.append(bool(mpjax.scaler_stats(state.opt_state)["step_applied"]))
+    assert applied == [False, False, True] * 2 + [False, False, False] + [False, False]
+    assert int(state.step) == 2
+    assert int(state.opt_state.inner_state[0].count) == 2  # adam's own count agrees
+    assert int(mpjax.scaler_stats(state.opt_state)["skipped_steps"]) == 1
 
 
 # --------------------------------------------------------------------------
