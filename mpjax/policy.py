@@ -356,26 +356,33 @@ _CARRIERS = frozenset({
 
 
 def max_shifts(jaxpr) -> frozenset:
-    """ids of the equations ``x - max(x)``: the shift by the maximum of softmax,
-    log_softmax and logsumexp written out (``jax.nn``, ``optax``, by hand). They
-    run in float32, as torch's ``softmax`` and ``log_softmax`` do: in 16 bits the
-    difference keeps 8 bits (bfloat16) of what the exp or log after it reads."""
+    """ids of the equations ``x - max(x)``, and of their ``reduce_max``: the shift
+    by the maximum of softmax, log_softmax and logsumexp written out (``jax.nn``,
+    ``optax``, by hand). They run in float32, as torch's ``softmax`` and
+    ``log_softmax`` do: in 16 bits the difference keeps 8 bits (bfloat16) of what
+    the exp or log after it reads. The maximum is taken of the same float32 values
+    the difference reads: of a 16-bit product's result, XLA may read the rounded
+    value in one place and its float32 accumulator in another, and a difference
+    above 0 overflows the exp (jax 0.10 on CPU: NaN at logits of 1e5)."""
     made_by = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     out = set()
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "sub" and _max_of(made_by, eqn.invars[1]) is eqn.invars[0]:
-            out.add(id(eqn))
+        if eqn.primitive.name != "sub":
+            continue
+        found = _max_of(made_by, eqn.invars[1])
+        if found is not None and found.invars[0] is eqn.invars[0]:
+            out.update((id(eqn), id(found)))
     return frozenset(out)
 
 
 def _max_of(made_by, v):
-    """The variable `v` is the maximum of, through broadcasts and the guard
-    ``max(-inf, m)`` of an empty row; None if it is not one."""
+    """The ``reduce_max`` equation `v` is the result of, through broadcasts and the
+    guard ``max(-inf, m)`` of an empty row; None if it is not one."""
     src = None if isinstance(v, _compat.Literal) else made_by.get(v)
     while src is not None:
         name, ins = src.primitive.name, src.invars
         if name == "reduce_max":
-            return ins[0]
+            return src
         if name == "max" and sum(isinstance(x, _compat.Literal) for x in ins) == 1:
             src = made_by.get(next(x for x in ins if not isinstance(x, _compat.Literal)))
         elif name in _CARRIERS and not isinstance(ins[0], _compat.Literal):

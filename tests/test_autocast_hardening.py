@@ -946,6 +946,28 @@ def test_the_softmax_shift_by_the_maximum_runs_in_float32(fn, low):
     np.testing.assert_allclose(out.astype(F32), fn(held), rtol=1e-6, atol=1e-6)
 
 
+def test_the_softmax_maximum_is_of_the_values_the_shift_reads(low):
+    # Of a 16-bit product's result, XLA may read its float32 accumulator in one
+    # place and the rounded value in another: a maximum of the rounded logits
+    # below an unrounded one makes x - max(x) > 0, and exp overflows (jax 0.10 on
+    # CPU: NaN loss and gradients at logits of 1e5, bfloat16).
+    k1, k2 = jax.random.split(jax.random.key(2))
+    scale = 1e5 if low == jnp.bfloat16 else 5e3  # logits within float16's range
+    x, w = scale * jax.random.normal(k1, (8, 16)), 0.3 * jax.random.normal(k2, (16, 4))
+
+    def loss(w, x):
+        return jnp.mean(jax.nn.log_softmax(x @ w))
+
+    value, grads = jax.jit(jax.value_and_grad(mpjax.autocast(loss, dtype=low)))(w, x)
+    value_ref, grads_ref = jax.value_and_grad(loss)(w, x)
+    np.testing.assert_allclose(value, value_ref, rtol=1e-2)
+    chex.assert_trees_all_close(grads, grads_ref, rtol=5e-2, atol=5e-2 * jnp.abs(grads_ref).max())
+    # The maximum reads the float32 values: no 16-bit reduce_max is left.
+    jaxpr = jax.make_jaxpr(mpjax.autocast(loss, dtype=low))(w, x).jaxpr
+    maxima = [e for e in all_eqns(jaxpr) if e.primitive.name == "reduce_max"]
+    assert maxima and all(e.invars[0].aval.dtype == F32 for e in maxima)
+
+
 def test_a_vector_dot_product_runs_as_written(low):
     # torch's dot is on its promote list; a float16 sum of squares overflows.
     w = jnp.full(8, 95.0)  # |w|**2 = 72200
