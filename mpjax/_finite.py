@@ -63,7 +63,7 @@ def leaf_flags(leaves: Sequence) -> tuple[jax.Array, list[int], jax.Array]:
             # The values are stacked, not their flags: XLA then checks them in
             # one kernel; stacked flags made a kernel per leaf.
             rows = jnp.stack([leaves[i] for i in chunk])
-            parts.append(jnp.any(~jnp.isfinite(rows), axis=tuple(range(1, rows.ndim))))
+            parts.append(_rows_nonfinite(rows))
             order += chunk
     parts += [nonfinite(leaves[i])[None] for i in large]
     order += large
@@ -77,6 +77,18 @@ def leaf_flags(leaves: Sequence) -> tuple[jax.Array, list[int], jax.Array]:
     # reads the result (every select of the step): a program quadratic in the
     # number of leaves. A float32 max it leaves a reduction.
     return flags, order, jnp.max(flags.astype(jnp.float32)) > 0
+
+
+def _rows_nonfinite(rows: jax.Array) -> jax.Array:
+    """For each row of `rows` (its first axis), whether it holds an inf or a NaN.
+
+    A float32 count of the values that are not finite (exact: it only grows),
+    not an ``any`` over booleans: XLA fuses the count into one kernel, where it
+    splits a boolean reduction into a tree of reduce-window kernels, each compiled
+    apart.
+    """
+    bad = jnp.where(jnp.isfinite(rows), jnp.float32(0), jnp.float32(1))
+    return jnp.sum(bad, axis=tuple(range(1, rows.ndim))) > 0
 
 
 def _stack_key(x) -> tuple:
