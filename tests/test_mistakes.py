@@ -286,12 +286,11 @@ class _MLP(nn.Module):
         return nn.Dense(4)(jnp.tanh(nn.Dense(32)(x)))
 
 
-def test_linen_train_state_step_counts_applied_steps_only():
+def _linen_training(tx):
+    """A `ScaledTrainState` of `_MLP` and its jitted step on autocast's loss."""
     model = _MLP()
     params = model.init(jax.random.key(0), X)["params"]
-    state = ScaledTrainState.create(
-        apply_fn=model.apply, params=params, tx=mpjax.grad_scaler(optax.adam(1e-3))
-    )
+    state = ScaledTrainState.create(apply_fn=model.apply, params=params, tx=tx)
     apply = mpjax.autocast(model.apply)
 
     def linen_loss(params, x, y):
@@ -303,6 +302,11 @@ def test_linen_train_state_step_counts_applied_steps_only():
         _, grads = mpjax.scaled_value_and_grad(linen_loss, state.opt_state)(state.params, x, y)
         return state.apply_gradients(grads=grads)
 
+    return state, train_step
+
+
+def test_linen_train_state_step_counts_applied_steps_only():
+    state, train_step = _linen_training(mpjax.grad_scaler(optax.adam(1e-3)))
     state = train_step(state, X, Y)
     assert int(state.step) == 1
     bad_x = X.at[0, 0].set(jnp.inf)  # a non-finite batch: the step is skipped
@@ -316,21 +320,8 @@ def test_linen_train_state_step_counts_applied_steps_only():
 def test_linen_train_state_step_counts_effective_steps_under_accumulation():
     # With accumulation, update is called once per micro-batch and the optimizer
     # steps on every k-th: step must count those, as adam's own count does.
-    model = _MLP()
-    params = model.init(jax.random.key(0), X)["params"]
     tx = mpjax.grad_scaler(optax.adam(1e-3), accumulation_steps=3, accumulation="mean")
-    state = ScaledTrainState.create(apply_fn=model.apply, params=params, tx=tx)
-    apply = mpjax.autocast(model.apply)
-
-    def linen_loss(params, x, y):
-        logits = apply({"params": params}, x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    @jax.jit
-    def train_step(state, x, y):
-        _, grads = mpjax.scaled_value_and_grad(linen_loss, state.opt_state)(state.params, x, y)
-        return state.apply_gradients(grads=grads)
-
+    state, train_step = _linen_training(tx)
     bad_x = X.at[0, 0].set(jnp.inf)
     batches = [X] * 6 + [X, bad_x, X] + [X] * 2  # the third effective batch is skipped
     applied = []
