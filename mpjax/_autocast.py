@@ -233,7 +233,8 @@ def _wrap(fun, region: Region, enabled: bool):
                     args,
                     kwargs,
                 )
-            return _autocast_call(fun, region, args, kwargs, cache)
+            with _linen.checked_call(fun):
+                return _autocast_call(fun, region, args, kwargs, cache)
 
     return _marked(wrapped, fun)
 

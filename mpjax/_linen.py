@@ -36,33 +36,53 @@ def in_module() -> bool:
     return bool(stack) and stack[-1] is not None
 
 
+_APPLY = (
+    "Autocast its apply: mpjax.autocast(model.apply)(variables, x), with "
+    "mutable=[...] for the collections it updates."
+)
+
+
 def check_function(fun) -> None:
-    """A TypeError if `fun` is a Linen module class, a module not bound to variables
-    (either would end in Flax's error from inside autocast's trace), or one bound with
-    mutable collections (they would be left holding values of autocast's trace)."""
+    """A TypeError if `fun` is a Linen module class: calling it builds a module, not
+    a result."""
     linen = sys.modules.get("flax.linen")
-    if linen is None:
-        return
+    if linen is not None and isinstance(fun, type) and issubclass(fun, linen.Module):
+        raise TypeError(f"autocast(fun): got the Flax Linen module class {fun.__name__}. {_APPLY}")
+
+
+@contextlib.contextmanager
+def checked_call(fun):
+    """Errors naming the fix where `fun` is a Linen module (or its method) that
+    cannot run under autocast: unbound, where Flax raises from inside the trace (one
+    that needs no variables runs), or bound with mutable collections that the call
+    wrote (they now hold values of autocast's ended trace; a call that writes
+    nothing runs)."""
+    linen = sys.modules.get("flax.linen")
     module = getattr(fun, "__self__", fun)  # a bound method's module
-    if isinstance(fun, type) and issubclass(fun, linen.Module):
-        got = f"the Flax Linen module class {fun.__name__}"
-    elif isinstance(fun, linen.Module) and fun.scope is None:
-        got = f"the unbound Flax Linen module {type(fun).__name__}()"
-    elif _bound_mutable(module) and not in_module():  # inside one: `no_leaks` checks
-        # Its collections would be written from autocast's trace, and keep its values.
-        got = f"the Flax Linen module {type(module).__name__} bound with mutable collections"
-    else:
+    if linen is None or not isinstance(module, linen.Module) or in_module():
+        yield  # inside a module, `no_leaks` checks
         return
-    raise TypeError(
-        f"autocast(fun): got {got}. Autocast its apply: "
-        "mpjax.autocast(model.apply)(variables, x), with mutable=[...] for the "
-        "collections it updates."
-    )
-
-
-def _bound_mutable(module) -> bool:
-    linen = sys.modules["flax.linen"]
-    return isinstance(module, linen.Module) and bool(module.scope and module.scope.mutable)
+    name = type(module).__name__
+    if module.scope is None:
+        try:
+            yield
+        except sys.modules["flax.errors"].FlaxError as e:
+            raise TypeError(
+                f"autocast(fun): got the unbound Flax Linen module {name}(), "
+                f"which Flax cannot run ({type(e).__name__}). {_APPLY}"
+            ) from e
+        return
+    before = {id(x) for x in jax.tree.leaves(module.variables) if is_tracer(x)}
+    yield
+    flat = jax.tree_util.tree_flatten_with_path(module.variables)[0]
+    new = [path for path, x in flat if is_tracer(x) and id(x) not in before]
+    if new:
+        where = ", ".join(jax.tree_util.keystr(p) for p in new[:3]) + (" ..." * (len(new) > 3))
+        raise TypeError(
+            f"autocast(fun): got the Flax Linen module {name} bound with mutable "
+            f"collections, and the call wrote them ({where}): they now hold values of "
+            f"autocast's trace, not arrays; bind the variables again. {_APPLY}"
+        )
 
 
 def check_arguments(args, kwargs) -> None:

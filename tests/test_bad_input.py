@@ -30,7 +30,8 @@ remaining inputs.
 | ``with autocast():`` (torch's spelling)                            | TypeError: autocast is a function transform, not a context manager, and how to wrap |
 | ``rule_for(42)``; ``rule_for(jax.lax.exp_p)``                        | TypeError naming ``primitive_name``; a primitive is read by its name |
 | ``rule_for("matmul")``, ``rule_for("conv2d")``, ``rule_for("softmax")`` (torch's names) | ValueError naming the JAX primitive to look up instead of answering ORIGINAL |
-| ``autocast(LinenModel)``, ``autocast(LinenModel())`` (a class, an unbound module) | TypeError at wrap time: autocast ``model.apply`` |
+| ``autocast(LinenModel)`` (a class) | TypeError at wrap time: autocast ``model.apply`` |
+| ``autocast(LinenModel())`` unbound, a module bound with ``mutable=`` whose call writes a collection | TypeError when called: autocast ``model.apply`` (a call Flax can run unbound, or one that writes nothing, runs) |
 | ``static_scaler``'s init on float16 parameters, its update on a wrong state | the errors name ``static_scaler``, not ``grad_scaler`` |
 | ``scaled_value_and_grad(jax.value_and_grad(f), state)``                  | ValueError: looks like ``jax.value_and_grad(f)``, pass ``f`` |
 | a scaler setting injected by ``optax.inject_hyperparams`` (traced)   | the traced-setting ValueError names ``static_args`` |
@@ -551,20 +552,34 @@ def test_a_linen_module_as_the_function_points_to_its_apply():
 
     class MLP(nn.Module):
         @nn.compact
+        def __call__(self, x, train=False):
+            return nn.BatchNorm(use_running_average=not train)(nn.Dense(3)(x)).sum()
+
+    class Scaled(nn.Module):  # no variables: Flax runs it unbound
         def __call__(self, x):
-            return nn.Dense(3)(x).sum()
+            return jax.nn.gelu(x @ jnp.eye(4)) * 2.0
 
     model, x = MLP(), jnp.ones((2, 4))
     variables = model.init(jax.random.key(0), x)
-    bound = model.bind(variables, mutable=["batch_stats"])
-    for fun, got in (
-        (model, r"unbound Flax Linen module MLP\(\)"),
-        (MLP, "module class MLP"),
-        (bound, "MLP bound with mutable collections"),
-        (bound.__call__, "MLP bound with mutable collections"),
+    with pytest.raises(
+        TypeError, match=r"autocast\(fun\): got the .*module class MLP.*model\.apply"
     ):
-        with pytest.raises(TypeError, match=rf"autocast\(fun\): got the .*{got}.*model\.apply"):
-            mpjax.autocast(fun)
+        mpjax.autocast(MLP)
+    with pytest.raises(TypeError, match=r"got the unbound Flax Linen module MLP\(\).*model\.apply"):
+        mpjax.autocast(model)(x)
+    chex.assert_trees_all_close(mpjax.autocast(Scaled())(x), Scaled()(x), rtol=1e-2)
+    # Bound with a mutable collection: a call that writes it leaves it holding values
+    # of autocast's trace, and is refused; one that writes nothing runs.
+    for method in (lambda m: m, lambda m: m.__call__):
+        bound = model.bind(variables, mutable=["batch_stats"])
+        want = model.apply(variables, x)
+        chex.assert_trees_all_close(mpjax.autocast(method(bound))(x), want, rtol=1e-2)
+        with pytest.raises(
+            TypeError,
+            match=r"MLP bound with mutable collections, and the call "
+            r"wrote them \(\['batch_stats'\].*model\.apply",
+        ):
+            mpjax.autocast(method(bound))(x, train=True)
     assert mpjax.autocast(model.bind(variables))(x).dtype == jnp.float32  # read-only: runs
     # the way that works
     chex.assert_trees_all_close(
