@@ -72,16 +72,13 @@ def checked_call(fun):
                 f"which Flax cannot run ({type(e).__name__}). {_APPLY}"
             ) from e
         return
-    before = {id(x) for x in jax.tree.leaves(module.variables) if is_tracer(x)}
-    yield
-    flat = jax.tree_util.tree_flatten_with_path(module.variables)[0]
-    new = [path for path, x in flat if is_tracer(x) and id(x) not in before]
+    with _left_in(module) as new:
+        yield
     if new:
-        where = ", ".join(jax.tree_util.keystr(p) for p in new[:3]) + (" ..." * (len(new) > 3))
         raise TypeError(
             f"autocast(fun): got the Flax Linen module {name} bound with mutable "
-            f"collections, and the call wrote them ({where}): they now hold values of "
-            f"autocast's trace, not arrays; bind the variables again. {_APPLY}"
+            f"collections, and the call wrote them ({_where(new)}): they now hold values "
+            f"of autocast's trace, not arrays; bind the variables again. {_APPLY}"
         )
 
 
@@ -102,15 +99,10 @@ def check_arguments(args, kwargs) -> None:
 def no_leaks():
     """A ValueError if the call left a value of its trace in the running Linen module."""
     module = sys.modules["flax.linen.module"]._context.module_stack[-1]
-    before = {id(x) for x in jax.tree.leaves(module.variables) if is_tracer(x)}
-    yield
-    # A traced value that was not in the module before the call is one of the call's
-    # own trace, which has ended: it escaped it.
-    flat = jax.tree_util.tree_flatten_with_path(module.variables)[0]
-    new = [path for path, x in flat if is_tracer(x) and id(x) not in before]
+    with _left_in(module) as new:
+        yield
     if not new:
         return
-    where = ", ".join(jax.tree_util.keystr(p) for p in new[:3]) + (" ..." if len(new) > 3 else "")
     if any(str(getattr(p[0], "key", "")) == "params" for p in new):
         what = "parameters created at init"
         fix = _FIX
@@ -124,5 +116,20 @@ def no_leaks():
         )
     raise ValueError(
         f"autocast: the function stored traced values in the Flax Linen module it runs "
-        f"in, at {where}: {what}, which would leak out as tracers. {fix}"
+        f"in, at {_where(new)}: {what}, which would leak out as tracers. {fix}"
     )
+
+
+@contextlib.contextmanager
+def _left_in(module):
+    """The paths of `module`'s variables that hold, after the block, a traced value
+    they did not hold before: one of the block's own trace, which has ended."""
+    before = {id(x) for x in jax.tree.leaves(module.variables) if is_tracer(x)}
+    new: list = []
+    yield new
+    flat = jax.tree_util.tree_flatten_with_path(module.variables)[0]
+    new += [path for path, x in flat if is_tracer(x) and id(x) not in before]
+
+
+def _where(paths) -> str:
+    return ", ".join(jax.tree_util.keystr(p) for p in paths[:3]) + (" ..." * (len(paths) > 3))
