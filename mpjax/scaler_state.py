@@ -299,13 +299,14 @@ def scaler_stats(opt_state: Any) -> dict[str, jax.Array]:
       (0, False)
     """
     state = _find_state(opt_state, "scaler_stats")
+    skipped = _value(state.last_step_skipped)
     return {
         "scale": _value(state.scale, jnp.float32),
         "growth_tracker": _value(state.growth_tracker),
         "skipped_steps": _value(state.skipped_steps),
-        "last_step_skipped": _value(state.last_step_skipped),
+        "last_step_skipped": skipped,
         # The last micro-batch of an effective batch resets micro_step to 0.
-        "step_applied": (_value(state.micro_step) == 0) & ~_value(state.last_step_skipped),
+        "step_applied": (_value(state.micro_step) == 0) & ~skipped,
         "nonfinite_subtrees": _subtree_values(state.nonfinite_subtrees),
     }
 
