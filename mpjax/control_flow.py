@@ -213,7 +213,8 @@ def _scan(ctx: Context, eqn, vals, weak):
         body,
         init,
         [*xs, *(h[2] for h in hoisted_xs)],
-        length=params["length"],
+        # From xs where there are any: a symbolic length (jax.export) is no int.
+        length=None if xs else params["length"],
         reverse=params["reverse"],
         unroll=params["unroll"],
     )

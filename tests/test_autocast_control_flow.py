@@ -460,3 +460,20 @@ def test_a_constant_branch_of_cond_widens_nothing_it_fits_in(low):
         got = mpjax.autocast(reset(0.0), dtype=low)(w, x, p)
         want = reset(0.0)(w, x, p)
         np.testing.assert_allclose(got, want, rtol=rel_tol(low), atol=rel_tol(low))
+
+
+def test_a_scan_over_an_axis_of_symbolic_size_exports():
+    # jax.export with a polymorphic batch: the scan's length is the symbol, no int.
+    (b,) = jax.export.symbolic_shape("b")
+    w = 0.2 * jax.random.normal(jax.random.key(0), (32, 32))
+    x = jax.random.normal(jax.random.key(1), (6, 32))
+
+    def rnn(w, xs):
+        step = lambda c, xi: (jnp.tanh(c @ w + xi), c.sum())  # noqa: E731
+        return lax.scan(step, jnp.zeros(32), xs)[1]
+
+    specs = (jax.ShapeDtypeStruct((32, 32), F32), jax.ShapeDtypeStruct((b, 32), F32))
+    exported = jax.export.export(jax.jit(mpjax.autocast(rnn)))(*specs)
+    got = exported.call(w, x)
+    chex.assert_shape(got, (6,))
+    np.testing.assert_allclose(got, rnn(w, x), rtol=2e-2, atol=2e-2)
