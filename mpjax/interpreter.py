@@ -29,6 +29,7 @@ import numpy as np
 from mpjax import _compat
 from mpjax import _constants
 from mpjax import _pointwise
+from mpjax import _prescale
 from mpjax import _reorder
 from mpjax import first_order
 from mpjax import fusions
@@ -256,6 +257,7 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
         arguments=fused.arguments,
         max_shifts=policy.max_shifts(jaxpr) if jaxpr.eqns else frozenset(),
     )
+    folds = _prescale.Folds(jaxpr, fused)  # attention's scale: `mpjax._prescale`
     pools = _reorder.relu_pools(jaxpr) if jaxpr.eqns and not ctx.region.lean else {}
     relus = frozenset(pools.values())
     for i, eqn in enumerate(jaxpr.eqns):
@@ -274,7 +276,7 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
                 env[chain.out] = (_pointwise.pointwise(chain, jaxpr.eqns, source), source_weak)
             continue
         for j in chain.eqns if chain is not None else (i,):
-            rule = None
+            rule = folds.rule(j, _rule(jaxpr.eqns[j]))
             if j in fused.selects:
                 rule = functools.partial(
                     fusions.select, _rule(jaxpr.eqns[j]), fused.selects[j], read

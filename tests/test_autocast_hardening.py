@@ -1125,3 +1125,85 @@ def test_the_derivative_in_a_float16_divisor_does_not_square_it():
 
     y = jnp.full((4,), 2.0**-9, jnp.float16)
     np.testing.assert_array_equal(jax.grad(mpjax.autocast(ratio))(y), jnp.zeros(4, jnp.float16))
+
+
+# --- a product scaled by a constant: attention's logits ----------------------------
+
+
+def _attention_inputs(magnitude):
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, (2, 16, 2, 64)) for key in (kq, kk, kv))
+    return magnitude * q, magnitude * k, v
+
+
+@pytest.mark.parametrize("where", ["arguments", "activations"])
+def test_attention_logits_past_float16s_range_before_scaling_stay_finite(where):
+    # Raw q . k up to ~8e4 (past 65504), scaled by 1/8 to ~1e4: JAX's own attention
+    # on float16 inputs keeps float32 logits and is finite; so must autocast be, and
+    # a float16 step with it must not be skipped.
+    q, k, v = _attention_inputs(56.0)
+    raw = jnp.max(jnp.abs(jnp.einsum("btnh,bsnh->bnts", q, k)))
+    assert raw > 65504 and raw / 8 < 65504
+
+    def attention(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+    def loss(w, q, k, v):  # q and k made inside, as a model's projections are
+        return jnp.mean((attention(q @ w, k @ w, v) - v) ** 2)
+
+    if where == "arguments":
+        got, want = jax.jit(mpjax.autocast(attention))(q, k, v), attention(q, k, v)
+        # logits of 1e4 rounded to float16 (spacing 8): a few weights move
+        np.testing.assert_allclose(got, want, atol=0.15)
+    else:
+        w = jnp.eye(64)
+        (value, grads), want = (
+            jax.jit(jax.value_and_grad(mpjax.autocast(loss)))(w, q, k, v),
+            loss(w, q, k, v),
+        )
+        assert np.isfinite(grads).all() and grads.dtype == F32
+        np.testing.assert_allclose(value, want, rtol=1e-2)
+
+
+@pytest.mark.parametrize("scale", [0.125, 1 / np.sqrt(128), "divide by 8"])
+def test_a_scaled_products_result_is_the_product_as_written_where_it_is_finite(
+    low, scale, monkeypatch
+):
+    # Where nothing overflows, moving the scale's power of two onto the operands
+    # changes no bit of the result, eagerly or jitted.
+    q, k, _ = _attention_inputs(1.0)
+
+    def logits(q, k):
+        s = jnp.einsum("btnh,bsnh->bnts", q, k)
+        return s / 8 if scale == "divide by 8" else s * scale
+
+    def run():
+        f = mpjax.autocast(logits, dtype=low)
+        return f(q, k), jax.jit(f)(q, k), jax.make_jaxpr(f)(q, k)
+
+    *moved, jaxpr = run()
+    monkeypatch.setattr(mpjax._prescale, "find", lambda jaxpr, fused: {})
+    *as_written, jaxpr_as_written = run()
+    chex.assert_trees_all_equal(moved, as_written)
+    # The scale's power of two multiplies an operand (float32 here: before its
+    # cast), and what is left of it (sqrt(2) of 1/sqrt(128)) the product's result.
+    scales = sorted(
+        (e.primitive.name, float(e.invars[1].val), e.outvars[0].aval.dtype == F32)
+        for e in all_eqns(jaxpr)
+        if e.primitive.name in ("mul", "div")
+    )
+    rest = (
+        [("mul", float(jnp.asarray(np.sqrt(2), low)), False)] if scale == 1 / np.sqrt(128) else []
+    )
+    assert scales == sorted([("mul", 0.0625 if rest else 0.125, True), *rest])
+
+
+def test_a_scale_below_one_sixty_fourth_or_above_one_stays_after_the_product():
+    # 1e-5 would push the operands' small values into float16's subnormals; 2 would
+    # only make them larger. Both scale the product's result, as written.
+    q, k, _ = _attention_inputs(1.0)
+    for scale in (1e-5, 2.0):
+        f = lambda q, k: jnp.einsum("btnh,bsnh->bnts", q, k) * scale  # noqa: E731
+        jaxpr = jax.make_jaxpr(mpjax.autocast(f))(q, k)
+        (mul,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "mul"]
+        assert mul.invars[1].val == np.float32(scale)

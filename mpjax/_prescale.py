@@ -1,0 +1,156 @@
+"""A product scaled by a constant: the power of two of the scale moved onto its operands.
+
+Attention's logits are written ``(q @ k.T) * scale`` (``jax.nn.dot_product_attention``,
+``scale = 1 / sqrt(head_dim)``) or ``... / sqrt(head_dim)``. In 16 bits the
+product is rounded before it is scaled, so a raw ``q . k`` past 65504 is inf in
+float16 where the scaled logit is not, and the softmax is NaN: every step skipped,
+the loss scale driven to its floor. JAX's own attention avoids it by keeping
+float32 logits for 16-bit inputs, torch's by scaling ``q`` and ``k`` by
+``sqrt(scale)`` before the product. Here ``scale = m * 2**e`` is split: ``2**e``
+multiplies the operands (half each), ``m`` (in [1, 2), or a divisor in (0.5, 1])
+stays where it was, and is dropped where it is 1. A power of two is exact in
+every float format, so the result is the one the product gives as written, bit
+for bit, wherever that is finite and above float16's subnormals; the 16-bit
+result it rounds is no larger than the scaled one, so it overflows only where
+that does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+
+from mpjax import _compat, _products, fusions, policy
+from mpjax._casting import F32, dtype_of
+from mpjax.policy import Rule
+
+_SCALES = ("mul", "div")
+
+_LOWEST = -6
+"""The smallest power of two moved (2**-3 to each operand, an attention scale down
+to 1/64): a smaller one would take the operands' small values into float16's
+subnormals. A smaller scale is left where it is."""
+
+
+def find(jaxpr, fused) -> dict[int, tuple[int, int]]:
+    """``{index of a dot_general: (index of the equation scaling it, e)}``: the
+    products read only by a multiplication, or a division, by a constant scalar
+    below 1, whose power of two ``2**e`` can move onto their operands. Scales
+    evaluated with a pointwise chain (`mpjax.fusions`) are left alone."""
+    eqns = jaxpr.eqns
+    reads = Counter(v for eqn in eqns for v in eqn.invars if _is_var(v))
+    reads.update(v for v in jaxpr.outvars if _is_var(v))
+    made_by = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
+    chained = set(fused.deferred) | set(fused.chains)
+    out = {}
+    for j, eqn in enumerate(eqns):
+        if eqn.primitive.name not in _SCALES or j in chained:
+            continue
+        position = _constant_position(eqn)
+        if position is None:
+            continue
+        v = eqn.invars[1 - position]
+        i = made_by.get(v)
+        if i is None or eqns[i].primitive.name != "dot_general" or reads[v] != 1:
+            continue
+        constant = float(eqn.invars[position].val)
+        e = _exponent(constant if eqn.primitive.name == "mul" else 1 / constant)
+        if e:
+            out[i] = (j, e)
+    return out
+
+
+def _is_var(v) -> bool:
+    return not isinstance(v, _compat.Literal)
+
+
+def _constant_position(eqn) -> int | None:
+    """Where the scalar constant of a scale is (a divisor only), or None."""
+    positions = (0, 1) if eqn.primitive.name == "mul" else (1,)
+    for k in positions:
+        v = eqn.invars[k]
+        if not _is_var(v) and np.ndim(v.val) == 0 and _is_var(eqn.invars[1 - k]):
+            return k
+    return None
+
+
+def _exponent(scale: float) -> int:
+    """The largest ``e`` with ``2**e <= scale``, for a scale in [2**_LOWEST, 1); else 0."""
+    if not (2.0**_LOWEST <= scale < 1.0):  # also NaN
+        return 0
+    _, e = math.frexp(scale)  # scale = mantissa * 2**e, mantissa in [0.5, 1)
+    return e - 1
+
+
+class Folds:
+    """The rules of the products of one jaxpr evaluation whose scale moves, and of
+    their scales. A product moves it only where it runs in 16 bits as the policy's
+    own (`_moves`); its scale learns that from `moved`."""
+
+    def __init__(self, jaxpr, fused):
+        self.eqns = jaxpr.eqns
+        self.products = find(jaxpr, fused)
+        self.scales = {j: i for i, (j, _) in self.products.items()}
+        self.moved: set[int] = set()
+
+    def rule(self, j: int, rule: Callable) -> Callable:
+        """The rule of the `j`-th equation: `rule`, or one moving a scale."""
+        if j in self.products:
+            return lambda ctx, eqn, vals, weak: self._product(j, rule, ctx, eqn, vals, weak)
+        if j in self.scales:
+            return lambda ctx, eqn, vals, weak: self._scale(j, rule, ctx, eqn, vals, weak)
+        return rule
+
+    def _product(self, j, rule, ctx, eqn, vals, weak):
+        if not _moves(ctx, eqn, vals):
+            return rule(ctx, eqn, vals, weak)
+        self.moved.add(j)
+        shares = _shares(self.products[j][1], ctx, eqn, vals)
+        scaled = [x * np.asarray(2.0**k, dtype_of(x)) if k else x for x, k in zip(vals[:2], shares)]
+        return rule(ctx, eqn, [*scaled, *vals[2:]], weak)
+
+    def _scale(self, j, rule, ctx, eqn, vals, weak):
+        i = self.scales[j]
+        if i not in self.moved:
+            return rule(ctx, eqn, vals, weak)
+        e = self.products[i][1]
+        k = _constant_position(eqn)
+        constant = np.asarray(vals[k])
+        rest = constant * 2.0 ** (-e if eqn.primitive.name == "mul" else e)
+        if rest == 1:
+            return [vals[1 - k]]
+        vals = list(vals)
+        vals[k] = np.asarray(rest, constant.dtype)
+        return rule(ctx, eqn, vals, weak)
+
+
+def _moves(ctx, eqn, vals) -> bool:
+    """Whether `eqn`, a product, runs in the low dtype by the policy's own rule,
+    rounding its result to 16 bits: not where the user fixed its precision, nor
+    where a reader takes its float32 accumulator (`mpjax.fusions`)."""
+    low = ctx.region.dtype
+    return (
+        low is not None
+        and policy.equation_rule(eqn, lean=ctx.region.lean) is Rule.LOW
+        and all(dtype_of(x) in (F32, low) for x in vals[:2])
+        and not _products.runs_as_written(eqn, vals)
+        and not _products.explicit_result_type(eqn)
+        and id(eqn) not in ctx.accumulated
+    )
+
+
+def _shares(e: int, ctx, eqn, vals) -> tuple[int, int]:
+    """The powers of two multiplying each operand, ``2**e`` in all: half each, or
+    all of it on an operand that is not a parameter. A parameter scaled would be
+    a float32 copy the backward pass keeps, where it makes the parameter's 16-bit
+    cast again from the parameter itself (`mpjax._products`); where both are
+    (attention on the arguments of the function autocast wraps), the smaller."""
+    params = [p is not None for p in fusions.parameters(ctx, eqn, vals[:2])]
+    if not any(params):
+        return e // 2, e - e // 2
+    if all(params):
+        params = [np.size(vals[0]) > np.size(vals[1]), np.size(vals[0]) <= np.size(vals[1])]
+    return (e, 0) if not params[0] else (0, e)
