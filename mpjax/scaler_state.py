@@ -26,13 +26,7 @@ from mpjax._compat import is_tracer
 from mpjax._float32 import MIN_NORMAL_F32
 from mpjax._scaler_placement import check_placement
 
-__all__ = [
-    "GradScalerState",
-    "SubtreeFlags",
-    "get_scale",
-    "set_scale",
-    "scaler_stats",
-]
+__all__ = ["GradScalerState", "SubtreeFlags", "get_scale", "set_scale", "scaler_stats"]
 
 
 DISABLED = -1
@@ -281,8 +275,8 @@ def scaler_stats(opt_state: Any) -> dict[str, jax.Array]:
       ``last_step_skipped`` (bool: the latest effective step's verdict),
       ``step_applied`` (bool: whether the latest ``update`` applied the
       wrapped optimizer's step: it ended an effective batch, not skipped;
-      with ``accumulation_steps=k`` it is False on k - 1 micro-batches in k: count
-      steps with it) and ``nonfinite_subtrees`` (a dict from each top-level
+      with ``accumulation_steps=k``, or a wrapped ``optax.MultiSteps``, it is
+      False on k - 1 micro-batches in k: count steps with it) and ``nonfinite_subtrees`` (a dict from each top-level
       parameter subtree's path to a bool: whether its gradients were not finite in
       the latest effective step).
 
@@ -305,10 +299,19 @@ def scaler_stats(opt_state: Any) -> dict[str, jax.Array]:
         "growth_tracker": _value(state.growth_tracker),
         "skipped_steps": _value(state.skipped_steps),
         "last_step_skipped": skipped,
-        # The last micro-batch of an effective batch resets micro_step to 0.
-        "step_applied": (_value(state.micro_step) == 0) & ~skipped,
+        "step_applied": _step_applied(state, skipped),
         "nonfinite_subtrees": _subtree_values(state.nonfinite_subtrees),
     }
+
+
+def _step_applied(state: GradScalerState, skipped: jax.Array) -> jax.Array:
+    """Not skipped, and the last micro-batch of an effective batch, which resets
+    micro_step to 0: the scaler's own and an ``optax.MultiSteps`` it wraps."""
+    is_multi_steps = lambda x: isinstance(x, optax.MultiStepsState)  # noqa: E731
+    applied = (_value(state.micro_step) == 0) & ~skipped
+    for s in filter(is_multi_steps, jax.tree.leaves(state.inner_state, is_leaf=is_multi_steps)):
+        applied = applied & (_value(s.mini_step) == 0)
+    return applied
 
 
 def _subtree_values(subtrees) -> dict[str, jax.Array]:

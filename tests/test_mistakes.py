@@ -334,6 +334,19 @@ def test_linen_train_state_step_counts_effective_steps_under_accumulation():
     assert int(mpjax.scaler_stats(state.opt_state)["skipped_steps"]) == 1
 
 
+def test_linen_train_state_step_counts_the_steps_of_a_wrapped_multi_steps():
+    # grad_scaler(optax.MultiSteps(adam, k)): MultiSteps applies adam's step on
+    # every k-th micro-batch, and step must count those, not the micro-batches.
+    tx = mpjax.grad_scaler(optax.MultiSteps(optax.adam(1e-3), every_k_schedule=3))
+    state, train_step = _linen_training(tx)
+    applied = []
+    for _ in range(7):
+        state = train_step(state, X, Y)
+        applied.append(bool(mpjax.scaler_stats(state.opt_state)["step_applied"]))
+    assert applied == [False, False, True] * 2 + [False]
+    assert int(state.step) == int(state.opt_state.inner_state.gradient_step) == 2
+
+
 # --------------------------------------------------------------------------
 # torch's custom_fwd / custom_bwd: a custom_vjp function whose inside runs under
 # autocast.
