@@ -30,9 +30,13 @@ from mpjax.policy import Rule
 _SCALES = ("mul", "div")
 
 _LOWEST = -6
-"""The smallest power of two moved (2**-3 to each operand, an attention scale down
-to 1/64): a smaller one would take the operands' small values into float16's
-subnormals. A smaller scale is left where it is."""
+"""The smallest power of two moved (an attention scale down to 1/64); a smaller
+scale is left where it is."""
+
+_SHARE = -3
+"""The most one operand is scaled by, 2**-3: more would take its small values into
+float16's subnormals, and would cost the backward product of the cotangent and the
+other operand more headroom (it carries what the forward one lost)."""
 
 
 def find(jaxpr, fused) -> dict[int, tuple[int, int]]:
@@ -72,8 +76,10 @@ def _constant_position(eqn) -> int | None:
     positions = (0, 1) if eqn.primitive.name == "mul" else (1,)
     for k in positions:
         v = eqn.invars[k]
-        if not _is_var(v) and np.ndim(v.val) == 0 and _is_var(eqn.invars[1 - k]):
-            return k
+        if not _is_var(v) and _is_var(eqn.invars[1 - k]):
+            value = np.asarray(v.val)
+            if value.ndim == 0 and value.dtype.kind == "f" and np.isfinite(value) and value:
+                return k
     return None
 
 
@@ -94,7 +100,8 @@ class Folds:
         self.eqns = jaxpr.eqns
         self.products = find(jaxpr, fused)
         self.scales = {j: i for i, (j, _) in self.products.items()}
-        self.moved: set[int] = set()
+        self.moved: dict[int, tuple] = {}
+        """By product: (its region, the power of two its operands took)."""
 
     def rule(self, j: int, rule: Callable) -> Callable:
         """The rule of the `j`-th equation: `rule`, or one moving a scale."""
@@ -107,8 +114,8 @@ class Folds:
     def _product(self, j, rule, ctx, eqn, vals, weak):
         if not _moves(ctx, eqn, vals):
             return rule(ctx, eqn, vals, weak)
-        self.moved.add(j)
         shares = _shares(self.products[j][1], ctx, eqn, vals)
+        self.moved[j] = (ctx.region, sum(shares))
         scaled = [x * np.asarray(2.0**k, dtype_of(x)) if k else x for x, k in zip(vals[:2], shares)]
         return rule(ctx, eqn, [*scaled, *vals[2:]], weak)
 
@@ -116,12 +123,12 @@ class Folds:
         i = self.scales[j]
         if i not in self.moved:
             return rule(ctx, eqn, vals, weak)
-        e = self.products[i][1]
+        region, e = self.moved[i]
         k = _constant_position(eqn)
         constant = np.asarray(vals[k])
         rest = constant * 2.0 ** (-e if eqn.primitive.name == "mul" else e)
-        if rest == 1:
-            return [vals[1 - k]]
+        if rest == 1 and ctx.region == region and not region.lean:
+            return [vals[1 - k]]  # its rule would multiply the 16-bit result by 1
         vals = list(vals)
         vals[k] = np.asarray(rest, constant.dtype)
         return rule(ctx, eqn, vals, weak)
@@ -143,14 +150,15 @@ def _moves(ctx, eqn, vals) -> bool:
 
 
 def _shares(e: int, ctx, eqn, vals) -> tuple[int, int]:
-    """The powers of two multiplying each operand, ``2**e`` in all: half each, or
-    all of it on an operand that is not a parameter. A parameter scaled would be
+    """The powers of two multiplying each operand, ``2**e`` in all where each can
+    take its half, at most 2**-3 each (`_SHARE`): half each, or all of it on an
+    operand that is not a parameter. A parameter scaled would be
     a float32 copy the backward pass keeps, where it makes the parameter's 16-bit
     cast again from the parameter itself (`mpjax._products`); where both are
     (attention on the arguments of the function autocast wraps), the smaller."""
     params = [p is not None for p in fusions.parameters(ctx, eqn, vals[:2])]
     if not any(params):
-        return e // 2, e - e // 2
+        return max(e - e // 2, _SHARE), max(e // 2, _SHARE)
     if all(params):
         params = [np.size(vals[0]) > np.size(vals[1]), np.size(vals[0]) <= np.size(vals[1])]
-    return (e, 0) if not params[0] else (0, e)
+    return (max(e, _SHARE), 0) if not params[0] else (0, max(e, _SHARE))
