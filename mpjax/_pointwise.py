@@ -11,8 +11,43 @@ import functools
 import jax
 import numpy as np
 
-from mpjax import _compat
+from mpjax import _compat, policy
 from mpjax._casting import F32, convert, dtype_of
+from mpjax.policy import Rule
+
+_CALLS = frozenset({"jit", "pjit"})
+
+
+def is_pointwise(eqn) -> bool:
+    """Whether `eqn` is elementwise: a `policy.POINTWISE` primitive, or a nested jit
+    of them with one result (``jax.nn.silu``, ``jax.nn.relu6`` are jitted)."""
+    if eqn.primitive.name in policy.POINTWISE:
+        return True
+    body = _body(eqn)
+    return body is not None and len(eqn.outvars) == 1 and all(map(is_pointwise, body.eqns))
+
+
+def computes_float32(eqn) -> bool:
+    """Whether `eqn` (or a jit's body) computes something torch's fused activation
+    kernels compute in float32 and autocast would round: a float32-list primitive,
+    or a sigmoid (SiLU's: its backward product in 16 bits overflows)."""
+    body = _body(eqn)
+    if body is not None:
+        return any(map(computes_float32, body.eqns))
+    return policy.equation_rule(eqn) is Rule.FLOAT32 or eqn.primitive.name == "logistic"
+
+
+def primitives(eqns, members) -> int:
+    """How many primitives ``eqns[i]`` for `members` are, a jit's its body's."""
+    return sum(len(b.eqns) if (b := _body(eqns[i])) is not None else 1 for i in members)
+
+
+def _body(eqn):
+    """The jaxpr of a nested jit with equations, or None."""
+    if eqn.primitive.name not in _CALLS:
+        return None
+    body = _compat.jaxpr_and_consts(eqn.params["jaxpr"])[0]
+    return body if body.eqns else None
 
 
 def pointwise(chain, eqns, source_value):

@@ -39,13 +39,12 @@ groups in a jaxpr, before it is evaluated:
   operands that `find` saw broadcast from fewer elements: the backward pass
   keeps a causal mask's (T, T) source, not its (B, H, T, T) broadcast, and no
   zeros.
-* a *pointwise function*: elementwise primitives computing one value from one
-  activation and literals alone, with a float32-list primitive among them, whose
-  result only matrix products read (an activation function between two layers).
-  On a 16-bit activation, `mpjax._pointwise` evaluates it in float32 and rounds the
-  result once, which the product would have done anyway; it is rematerialized,
-  so the backward pass keeps the 16-bit activation rather than float32
-  intermediates.
+* a *pointwise function*: elementwise primitives (or jits of them) computing one
+  value from one activation and literals alone, with a float32-list primitive or a
+  sigmoid among them (GELU, SiLU), whose result only matrix products read. On a
+  16-bit activation, `mpjax._pointwise` evaluates it, and its derivative, in float32
+  and rounds the result once; it is rematerialized, so the backward pass keeps the
+  16-bit activation rather than float32 intermediates.
 """
 
 from __future__ import annotations
@@ -56,11 +55,8 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from mpjax import _compat
-from mpjax import _constants
-from mpjax import policy
+from mpjax import _compat, _constants, _pointwise, policy
 from mpjax._casting import F32, convert, dtype_of, fewer, is_concrete, size
-from mpjax.policy import Rule
 
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
 SQUASHING = frozenset({"tanh", "logistic"})
@@ -238,7 +234,7 @@ def _pointwise_groups(eqns) -> dict:
     source: dict = {}
     groups: dict = defaultdict(list)
     for i, eqn in enumerate(eqns):
-        if eqn.primitive.name not in policy.POINTWISE:
+        if not _pointwise.is_pointwise(eqn):
             continue
         roots = {source.get(v, v) for v in filter(_is_var, eqn.invars)}
         if len(roots) != 1:
@@ -257,14 +253,14 @@ def _chain(source, members, eqns, readers) -> Chain | None:
     escaping = [
         v for i in members for v in eqns[i].outvars if any(r not in inside for r in readers[v])
     ]
-    if len(members) < 2 or len(escaping) != 1 or escaping[0] is not eqns[members[-1]].outvars[0]:
+    out = eqns[members[-1]].outvars[0]
+    if _pointwise.primitives(eqns, members) < 2 or len(escaping) != 1 or escaping[0] is not out:
         return None
-    out = escaping[0]
     written_in_float32 = (
         all(v.aval.dtype in (F32, np.dtype(bool)) for i in members for v in eqns[i].outvars)
         and source.aval.dtype == F32
     )
-    computes_float32 = any(policy.equation_rule(eqns[i]) is Rule.FLOAT32 for i in members)
+    computes_float32 = any(_pointwise.computes_float32(eqns[i]) for i in members)
     products: set = set()  # filled by _read_by
     if not (written_in_float32 and computes_float32) or not _read_by(
         out, eqns, readers, _PRODUCTS, found=products

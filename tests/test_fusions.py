@@ -194,6 +194,26 @@ def test_activation_between_products_computes_in_float32_and_keeps_16_bits(dtype
     )
 
 
+def test_a_jitted_silu_between_products_and_its_derivative_compute_in_float32():
+    # jax.nn.silu is a jit of x * sigmoid(x). Its derivative in 16 bits multiplies
+    # the cotangent by x before the sigmoid's derivative (0 here): past 65504 that
+    # is inf * 0 = NaN at the initial loss scale. torch's silu backward is one
+    # float32 kernel, and so is autocast's: finite, as float32's.
+    w1, w2 = _w(32, 32, seed=1) / np.sqrt(32), _w(32, 32, seed=2) / np.sqrt(32)
+    x = 300.0 * _w(8, 32, seed=3)
+
+    def loss(w1, w2, x):
+        return 65536.0 * jnp.mean(jax.nn.silu(x @ w1) @ w2)
+
+    got = jax.jit(jax.grad(mpjax.autocast(loss), argnums=(0, 1)))(w1, w2, x)
+    want = jax.grad(loss, argnums=(0, 1))(w1, w2, x)
+    assert all(np.isfinite(g).all() for g in got)
+    chex.assert_trees_all_close(got, want, rtol=2e-2, atol=2e-2 * max(np.abs(want[0]).max(), 1))
+    jaxpr = jax.make_jaxpr(mpjax.autocast(loss))(w1, w2, x)
+    (logistic,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "logistic"]
+    assert logistic.outvars[0].aval.dtype == F32
+
+
 def test_backward_pass_keeps_the_16_bit_activation_not_float32_intermediates():
     params, x = _params(), _w(64, 8, seed=4)
     loss = mpjax.autocast(lambda p, x: jnp.sum(_mlp(p, x).astype(F32)), dtype=BF16)
