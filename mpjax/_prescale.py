@@ -7,12 +7,13 @@ float16 where the scaled logit is not, and the softmax is NaN: every step skippe
 the loss scale driven to its floor. JAX's own attention avoids it by keeping
 float32 logits for 16-bit inputs, torch's by scaling ``q`` and ``k`` by
 ``sqrt(scale)`` before the product. Here ``scale = m * 2**e`` is split: ``2**e``
-multiplies the operands (half each), ``m`` (in [1, 2), or a divisor in (0.5, 1])
-stays where it was, and is dropped where it is 1. A power of two is exact in
+multiplies the operands (half each, at most 2**-3 each, `_SHARE`), and what is
+left (``m``, in [1, 2), or a divisor in (0.5, 1], times what the operands could
+not take) stays where it was, dropped where it is 1. A power of two is exact in
 every float format, so the result is the one the product gives as written, bit
-for bit, wherever that is finite and above float16's subnormals; the 16-bit
-result it rounds is no larger than the scaled one, so it overflows only where
-that does.
+for bit, wherever that is finite and above float16's subnormals (under jit, XLA
+may then skip a rounding the scale kept: docs/policy.md); the 16-bit result it
+rounds is no larger than the scaled one, so it overflows only where that does.
 """
 
 from __future__ import annotations
