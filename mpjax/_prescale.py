@@ -24,8 +24,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mpjax import _compat, _products, fusions, policy
+from mpjax import _products, fusions, policy
 from mpjax._casting import F32, dtype_of
+from mpjax.fusions import _is_var
 from mpjax.policy import Rule
 
 _SCALES = ("mul", "div")
@@ -46,17 +47,22 @@ def find(jaxpr, fused) -> dict[int, tuple[int, int]]:
     below 1, whose power of two ``2**e`` can move onto their operands. Scales
     evaluated with a pointwise chain (`mpjax.fusions`) are left alone."""
     eqns = jaxpr.eqns
+    chained = set(fused.deferred) | set(fused.chains)
+    scales = [
+        (j, position)
+        for j, eqn in enumerate(eqns)
+        if eqn.primitive.name in _SCALES
+        and j not in chained
+        and (position := _constant_position(eqn)) is not None
+    ]
+    if not scales:  # most jaxprs: no reader counts to make
+        return {}
     reads = Counter(v for eqn in eqns for v in eqn.invars if _is_var(v))
     reads.update(v for v in jaxpr.outvars if _is_var(v))
     made_by = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
-    chained = set(fused.deferred) | set(fused.chains)
     out = {}
-    for j, eqn in enumerate(eqns):
-        if eqn.primitive.name not in _SCALES or j in chained:
-            continue
-        position = _constant_position(eqn)
-        if position is None:
-            continue
+    for j, position in scales:
+        eqn = eqns[j]
         v = eqn.invars[1 - position]
         i = made_by.get(v)
         if i is None or eqns[i].primitive.name != "dot_general" or reads[v] != 1:
@@ -66,10 +72,6 @@ def find(jaxpr, fused) -> dict[int, tuple[int, int]]:
         if e:
             out[i] = (j, e)
     return out
-
-
-def _is_var(v) -> bool:
-    return not isinstance(v, _compat.Literal)
 
 
 def _constant_position(eqn) -> int | None:

@@ -276,11 +276,11 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
                 env[chain.out] = (_pointwise.pointwise(chain, jaxpr.eqns, source), source_weak)
             continue
         for j in chain.eqns if chain is not None else (i,):
-            rule = folds.rule(j, _rule(jaxpr.eqns[j]))
+            rule = _rule(jaxpr.eqns[j])
             if j in fused.selects:
-                rule = functools.partial(
-                    fusions.select, _rule(jaxpr.eqns[j]), fused.selects[j], read
-                )
+                rule = functools.partial(fusions.select, rule, fused.selects[j], read)
+            else:
+                rule = folds.rule(j, rule)
             _evaluate(ctx, jaxpr.eqns[j], read, env, rule)
     return [list(t) for t in zip(*map(read, jaxpr.outvars))] if jaxpr.outvars else ([], [])
 

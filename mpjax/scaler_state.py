@@ -276,9 +276,10 @@ def scaler_stats(opt_state: Any) -> dict[str, jax.Array]:
       ``step_applied`` (bool: whether the latest ``update`` applied the
       wrapped optimizer's step: it ended an effective batch, not skipped;
       with ``accumulation_steps=k``, or a wrapped ``optax.MultiSteps``, it is
-      False on k - 1 micro-batches in k: count steps with it) and ``nonfinite_subtrees`` (a dict from each top-level
-      parameter subtree's path to a bool: whether its gradients were not finite in
-      the latest effective step).
+      False on k - 1 micro-batches in k: count steps with it) and
+      ``nonfinite_subtrees`` (a dict from each top-level parameter subtree's path
+      to a bool: whether its gradients were not finite in the latest effective
+      step).
 
     Raises:
       ValueError: if `opt_state` holds no `GradScalerState`, or several, or
