@@ -9,7 +9,10 @@ float32 logits for 16-bit inputs, torch's by scaling ``q`` and ``k`` by
 ``sqrt(scale)`` before the product. Here ``scale = m * 2**e`` is split: ``2**e``
 multiplies the operands (half each, at most 2**-3 each, `_SHARE`), and what is
 left (``m``, in [1, 2), or a divisor in (0.5, 1], times what the operands could
-not take) stays where it was, dropped where it is 1. A power of two is exact in
+not take) stays where it was, dropped where it is 1. The scale is a number the
+program knows before it runs: a literal, a constant it closes over, or one it
+computes from those (``jnp.sqrt(head_dim)``); of a computed one, its own value,
+times the power of two, stays. A power of two is exact in
 every float format, so the result is the one the product gives as written, bit
 for bit, wherever that is finite and above float16's subnormals (under jit, XLA
 may then skip a rounding the scale kept: docs/policy.md); the 16-bit result it
@@ -22,9 +25,11 @@ import math
 from collections import Counter
 from collections.abc import Callable
 
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from mpjax import _products, fusions, policy
+from mpjax import _compat, _products, fusions, policy
 from mpjax._casting import F32, dtype_of
 from mpjax.fusions import _is_var
 from mpjax.policy import Rule
@@ -41,19 +46,61 @@ float16's subnormals, and would cost the backward product of the cotangent and t
 other operand more headroom (it carries what the forward one lost)."""
 
 
-def find(jaxpr, fused) -> dict[int, tuple[int, int]]:
+# Scalar arithmetic a scale is computed with, evaluated here as numbers: only
+# the power of two is taken from the value, the program computes its own.
+_NUMBERS = {
+    "convert_element_type": lambda x, **_: x,
+    "sqrt": lambda x, **_: np.sqrt(x),
+    "rsqrt": lambda x, **_: 1 / np.sqrt(x),
+    "integer_pow": lambda x, *, y, **_: x**y,
+    "pow": lambda x, y, **_: np.power(x, y),
+    "mul": lambda x, y, **_: x * y,
+    "div": lambda x, y, **_: x / y,
+    "neg": lambda x, **_: -x,
+}
+
+
+def constants(jaxpr, consts=()) -> dict:
+    """``{var: value}`` of the floating scalars of `jaxpr` known before it runs:
+    its constants, and what `_NUMBERS` computes from them and from literals."""
+    known = {
+        v: np.asarray(c)
+        for v, c in zip(jaxpr.constvars, consts)
+        if v.aval.shape == ()
+        and jnp.issubdtype(v.aval.dtype, jnp.floating)  # not a PRNG key, say
+        and not _compat.is_tracer(c)
+    }
+    for eqn in jaxpr.eqns:
+        number = _NUMBERS.get(eqn.primitive.name)
+        if number is None or len(eqn.outvars) != 1 or eqn.outvars[0].aval.shape != ():
+            continue
+        values = [_value(v, known) for v in eqn.invars]
+        dtype = np.dtype(eqn.outvars[0].aval.dtype)
+        if dtype.kind == "f" and all(x is not None for x in values):
+            with np.errstate(all="ignore"):
+                known[eqn.outvars[0]] = np.asarray(number(*values, **eqn.params), dtype)
+    return known
+
+
+def _value(v, known):
+    return np.asarray(v.val) if not _is_var(v) else known.get(v)
+
+
+def find(jaxpr, fused, known=None) -> dict[int, tuple[int, int]]:
     """``{index of a dot_general: (index of the equation scaling it, e)}``: the
     products read only by a multiplication, or a division, by a constant scalar
-    below 1, whose power of two ``2**e`` can move onto their operands. Scales
-    evaluated with a pointwise chain (`mpjax.fusions`) are left alone."""
+    below 1 (literal or `known`), whose power of two ``2**e`` can move onto their
+    operands. Scales evaluated with a pointwise chain (`mpjax.fusions`) are left
+    alone."""
     eqns = jaxpr.eqns
+    known = constants(jaxpr) if known is None else known
     chained = set(fused.deferred) | set(fused.chains)
     scales = [
         (j, position)
         for j, eqn in enumerate(eqns)
         if eqn.primitive.name in _SCALES
         and j not in chained
-        and (position := _constant_position(eqn)) is not None
+        and (position := _constant_position(eqn, known)) is not None
     ]
     if not scales:  # most jaxprs: no reader counts to make
         return {}
@@ -67,22 +114,22 @@ def find(jaxpr, fused) -> dict[int, tuple[int, int]]:
         i = made_by.get(v)
         if i is None or eqns[i].primitive.name != "dot_general" or reads[v] != 1:
             continue
-        constant = float(eqn.invars[position].val)
+        constant = float(_value(eqn.invars[position], known))
         e = _exponent(constant if eqn.primitive.name == "mul" else 1 / constant)
         if e:
             out[i] = (j, e)
     return out
 
 
-def _constant_position(eqn) -> int | None:
+def _constant_position(eqn, known) -> int | None:
     """Where the scalar constant of a scale is (a divisor only), or None."""
     positions = (0, 1) if eqn.primitive.name == "mul" else (1,)
     for k in positions:
-        v = eqn.invars[k]
-        if not _is_var(v) and _is_var(eqn.invars[1 - k]):
-            value = np.asarray(v.val)
-            if value.ndim == 0 and value.dtype.kind == "f" and np.isfinite(value) and value:
-                return k
+        value, other = _value(eqn.invars[k], known), eqn.invars[1 - k]
+        if value is None or not _is_var(other) or other in known:
+            continue
+        if value.ndim == 0 and value.dtype.kind == "f" and np.isfinite(value) and value:
+            return k
     return None
 
 
@@ -99,9 +146,10 @@ class Folds:
     their scales. A product moves it only where it runs in 16 bits as the policy's
     own (`_moves`); its scale learns that from `moved`."""
 
-    def __init__(self, jaxpr, fused):
+    def __init__(self, jaxpr, fused, consts=()):
         self.eqns = jaxpr.eqns
-        self.products = find(jaxpr, fused)
+        self.known = constants(jaxpr, consts) if jaxpr.eqns else {}
+        self.products = find(jaxpr, fused, self.known)
         self.scales = {j: i for i, (j, _) in self.products.items()}
         self.moved: dict[int, tuple] = {}
         """By product: (its region, the power of two its operands took)."""
@@ -127,12 +175,16 @@ class Folds:
         if i not in self.moved:
             return rule(ctx, eqn, vals, weak)
         region, e = self.moved[i]
-        k = _constant_position(eqn)
+        k = _constant_position(eqn, self.known)
+        power = 2.0 ** (-e if eqn.primitive.name == "mul" else e)
+        vals = list(vals)
+        if _is_var(eqn.invars[k]):  # computed: its own value, exactly times the power
+            vals[k] = lax.mul(vals[k], np.asarray(power, dtype_of(vals[k])))
+            return rule(ctx, eqn, vals, weak)
         constant = np.asarray(vals[k])
-        rest = constant * 2.0 ** (-e if eqn.primitive.name == "mul" else e)
+        rest = constant * power
         if rest == 1 and ctx.region == region and not region.lean:
             return [vals[1 - k]]  # its rule would multiply the 16-bit result by 1
-        vals = list(vals)
         vals[k] = np.asarray(rest, constant.dtype)
         return rule(ctx, eqn, vals, weak)
 

@@ -257,7 +257,7 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
         arguments=fused.arguments,
         max_shifts=policy.max_shifts(jaxpr) if jaxpr.eqns else frozenset(),
     )
-    folds = _prescale.Folds(jaxpr, fused)  # attention's scale: `mpjax._prescale`
+    folds = _prescale.Folds(jaxpr, fused, consts)  # attention's scale: `mpjax._prescale`
     pools = _reorder.relu_pools(jaxpr) if jaxpr.eqns and not ctx.region.lean else {}
     relus = frozenset(pools.values())
     for i, eqn in enumerate(jaxpr.eqns):

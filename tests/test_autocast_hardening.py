@@ -1165,6 +1165,45 @@ def test_attention_logits_past_float16s_range_before_scaling_stay_finite(where):
         np.testing.assert_allclose(value, want, rtol=1e-2)
 
 
+_EIGHTH = jnp.float32(0.125)  # a constant the scaled function closes over
+
+_COMPUTED_SCALES = {
+    "/ jnp.sqrt(head_dim)": lambda s: s / jnp.sqrt(64),
+    "* lax.rsqrt(float32(head_dim))": lambda s: s * lax.rsqrt(jnp.float32(64)),
+    "* jnp.power(head_dim, -0.5)": lambda s: s * jnp.power(64.0, -0.5),
+    "* a closed-over array": lambda s: s * _EIGHTH,
+    "/ sqrt(head_dim), cast": lambda s: s / jnp.sqrt(64.0).astype(s.dtype),
+}
+
+
+@pytest.mark.parametrize("written", list(_COMPUTED_SCALES))
+def test_attention_scaled_by_a_number_the_program_computes_stays_finite(written, monkeypatch):
+    # Hand-written attention divides by jnp.sqrt(head_dim), computed in the program
+    # from a literal, or multiplies by a constant it closes over: the scale is known
+    # before the program runs all the same, and its power of two moves as a
+    # literal's does. Raw q . k past 65504 in float16, scaled logits ~1e4.
+    q, k, v = _attention_inputs(56.0)
+    scaled = _COMPUTED_SCALES[written]
+
+    def loss(w, q, k, v):
+        s = scaled(jnp.einsum("btnh,bsnh->bnts", q @ w, k @ w))
+        mask = jnp.tril(jnp.ones((16, 16), bool))
+        p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
+        return jnp.mean((jnp.einsum("bnts,bsnh->btnh", p, v) - v) ** 2)
+
+    w = jnp.eye(64)
+    value, grads = jax.jit(jax.value_and_grad(mpjax.autocast(loss)))(w, q, k, v)
+    assert np.isfinite(value) and np.isfinite(grads).all() and grads.dtype == F32
+    np.testing.assert_allclose(value, loss(w, q, k, v), rtol=1e-2)
+
+    # Where nothing overflows, no bit of the result changes.
+    q, k, _ = _attention_inputs(1.0)
+    f = mpjax.autocast(lambda q, k: scaled(jnp.einsum("btnh,bsnh->bnts", q, k)))
+    moved = f(q, k), jax.jit(f)(q, k)
+    monkeypatch.setattr(mpjax._prescale, "find", lambda *args: {})
+    chex.assert_trees_all_equal(moved, (f(q, k), jax.jit(f)(q, k)))
+
+
 @pytest.mark.parametrize("scale", [0.125, 1 / np.sqrt(128), "divide by 8"])
 def test_a_scaled_products_result_is_the_product_as_written_where_it_is_finite(
     low, scale, monkeypatch
@@ -1183,7 +1222,7 @@ def test_a_scaled_products_result_is_the_product_as_written_where_it_is_finite(
         return f(q, k), jax.jit(f)(q, k), jax.make_jaxpr(f)(q, k)
 
     *moved, jaxpr = run()
-    monkeypatch.setattr(mpjax._prescale, "find", lambda jaxpr, fused: {})
+    monkeypatch.setattr(mpjax._prescale, "find", lambda *args: {})
     *as_written, jaxpr_as_written = run()
     chex.assert_trees_all_equal(moved, as_written)
     # The scale's power of two multiplies an operand (float32 here: before its
