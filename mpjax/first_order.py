@@ -21,7 +21,7 @@ import numpy as np
 
 from mpjax import _compat
 from mpjax import _constants
-from mpjax import _products
+from mpjax import _products, _shifts
 from mpjax import fusions
 from mpjax import policy
 from mpjax._casting import F32, convert, dtype_of, explicit_sharding, fewer, is_concrete, size
@@ -76,7 +76,7 @@ def policy_rule(ctx, eqn, vals, weak):
     lean = ctx.region.lean
     rule = Rule.ORIGINAL if low is None else policy.equation_rule(eqn, lean=lean)
     if rule is not Rule.ORIGINAL and not lean and id(eqn) in ctx.max_shifts:
-        rule = Rule.FLOAT32  # the shift of a softmax, part of its exp (`policy.max_shifts`)
+        rule = Rule.FLOAT32  # the shift of a softmax, part of its exp (`_shifts.max_shifts`)
     if rule is Rule.LOW and _products.runs_as_written(eqn, vals):
         rule = Rule.ORIGINAL
     if rule is not Rule.ORIGINAL and not _constants.fill_fits(eqn, low):
@@ -283,9 +283,7 @@ def _derivatives_sum_nothing(eqn, vals, weak) -> bool:
     that only adds axes of size 1, a pad with a constant padding value: their
     derivatives sum nothing."""
     if eqn.primitive.name in policy.SUMMED_BY_AUTODIFF and all(
-        w or is_concrete(x)
-        for x, w in zip(vals, weak)
-        if policy.is_castable(dtype_of(x))
+        w or is_concrete(x) for x, w in zip(vals, weak) if policy.is_castable(dtype_of(x))
     ):
         return True
     if eqn.primitive.name == "broadcast_in_dim":

@@ -31,6 +31,7 @@ from mpjax import _constants
 from mpjax import _pointwise
 from mpjax import _prescale
 from mpjax import _reorder
+from mpjax import _shifts
 from mpjax import first_order
 from mpjax import fusions
 from mpjax import policy
@@ -171,7 +172,7 @@ class Context(NamedTuple):
     arguments: frozenset = frozenset()
     """The variables holding the jaxpr's arguments (parameters), `mpjax.fusions`."""
     max_shifts: frozenset = frozenset()
-    """ids of the ``x - max(x)`` of a softmax, run in float32 (`policy.max_shifts`)."""
+    """ids of the ``x - max(x)`` of a softmax, run in float32 (`_shifts.max_shifts`)."""
     memo: dict | None = None
     """What rules solved by probing a body (a loop's carry dtypes and hoisted
     casts, a cond's output dtypes), for the whole autocast call: see `solved`."""
@@ -255,7 +256,7 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
         residual_sums=fused.residual_sums,
         accumulated=fused.accumulated,
         arguments=fused.arguments,
-        max_shifts=policy.max_shifts(jaxpr) if jaxpr.eqns else frozenset(),
+        max_shifts=_shifts.max_shifts(jaxpr) if jaxpr.eqns else frozenset(),
     )
     folds = _prescale.Folds(jaxpr, fused, consts)  # attention's scale: `mpjax._prescale`
     pools = _reorder.relu_pools(jaxpr) if jaxpr.eqns and not ctx.region.lean else {}

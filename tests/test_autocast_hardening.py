@@ -922,6 +922,9 @@ def test_export_with_a_symbolic_batch_dimension(low):
 # --- operations torch keeps in float32 or promotes ---------------------------------
 
 
+_MASK = jnp.array([[True, True, False, True], [True, True, True, True]])
+
+
 def _logits(low):
     """16-bit logits from a product, and the float32 values they hold."""
     x = jnp.array([[5.0, -0.0123, 4.9, 1.3], [0.5, 2.25, -3.0, 0.1]])
@@ -935,8 +938,24 @@ def _logits(low):
         lambda s: jax.nn.log_softmax(s),
         lambda s: jax.nn.softmax(s),
         lambda s: optax.softmax_cross_entropy(s, jnp.eye(4)[jnp.array([1, 2])]),
+        lambda s: jax.nn.logsumexp(s, axis=-1),
+        lambda s: jax.scipy.special.logsumexp(s, axis=-1, b=jnp.array([1.0, 2.0, 0.5, 1.0])),
+        lambda s: optax.softmax_cross_entropy_with_integer_labels(s, jnp.array([1, 2])),
+        lambda s: jax.nn.log_softmax(s, where=_MASK),
+        lambda s: jax.nn.softmax(s, where=_MASK),
+        lambda s: optax.softmax_cross_entropy(s, jnp.eye(4)[jnp.array([1, 3])], where=_MASK),
     ],
-    ids=["log_softmax", "softmax", "softmax_cross_entropy"],
+    ids=[
+        "log_softmax",
+        "softmax",
+        "softmax_cross_entropy",
+        "logsumexp",
+        "scipy_logsumexp_b",
+        "integer_labels",
+        "log_softmax_where",
+        "softmax_where",
+        "softmax_cross_entropy_where",
+    ],
 )
 def test_the_softmax_shift_by_the_maximum_runs_in_float32(fn, low):
     # torch's softmax and log_softmax compute in float32 on 16-bit logits: the
@@ -944,6 +963,25 @@ def test_the_softmax_shift_by_the_maximum_runs_in_float32(fn, low):
     x, eye, held = _logits(low)
     out = mpjax.autocast(lambda x, w: fn(x @ w), dtype=low)(x, eye)
     np.testing.assert_allclose(out.astype(F32), fn(held), rtol=1e-6, atol=1e-6)
+
+
+def test_a_masked_softmax_cross_entropy_is_finite_where_float32_is():
+    # Invalid classes filled with float16's lowest number, and a where= mask of the
+    # examples (all valid here): in 16 bits the shift -65504 - max overflows to
+    # -inf, and optax's 0 * log_softmax is NaN. The shift runs in float32: finite.
+    k1, k2 = jax.random.split(jax.random.key(0))
+    x, w = jax.random.normal(k1, (8, 64)), 2 * jax.random.normal(k2, (64, 32))  # logits ~30
+    invalid = jnp.zeros((8, 32), bool).at[:, -4:].set(True)
+    labels = jax.nn.one_hot(jnp.arange(8) % 28, 32)
+
+    def loss(w, x):
+        logits = jnp.where(invalid, jnp.finfo(jnp.float16).min, x @ w)
+        return optax.softmax_cross_entropy(logits, labels, where=jnp.ones_like(invalid)).mean()
+
+    value, grads = jax.jit(jax.value_and_grad(mpjax.autocast(loss)))(w, x)
+    value_ref, grads_ref = jax.value_and_grad(loss)(w, x)
+    np.testing.assert_allclose(value, value_ref, rtol=1e-3)
+    chex.assert_trees_all_close(grads, grads_ref, rtol=1e-2, atol=1e-2 * jnp.abs(grads_ref).max())
 
 
 def test_the_softmax_maximum_is_of_the_values_the_shift_reads(low):
