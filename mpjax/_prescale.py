@@ -104,8 +104,7 @@ def find(jaxpr, fused, known=None) -> dict[int, tuple[int, int]]:
     ]
     if not scales:  # most jaxprs: no reader counts to make
         return {}
-    reads = Counter(v for eqn in eqns for v in eqn.invars if _is_var(v))
-    reads.update(v for v in jaxpr.outvars if _is_var(v))
+    reads = readers(jaxpr)
     made_by = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
     out = {}
     for j, position in scales:
@@ -119,6 +118,13 @@ def find(jaxpr, fused, known=None) -> dict[int, tuple[int, int]]:
         if e:
             out[i] = (j, e)
     return out
+
+
+def readers(jaxpr) -> Counter:
+    """How many equations (and outputs) of `jaxpr` read each variable."""
+    reads = Counter(v for eqn in jaxpr.eqns for v in eqn.invars if _is_var(v))
+    reads.update(v for v in jaxpr.outvars if _is_var(v))
+    return reads
 
 
 def _constant_position(eqn, known) -> int | None:
@@ -151,6 +157,9 @@ class Folds:
         self.known = constants(jaxpr, consts) if jaxpr.eqns else {}
         self.products = find(jaxpr, fused, self.known)
         self.scales = {j: i for i, (j, _) in self.products.items()}
+        reads = readers(jaxpr) if self.products else {}
+        self.shared = {v for v, n in reads.items() if n > 1}
+        """Read by more than one equation: scaled, a copy kept beside the value."""
         self.moved: dict[int, tuple] = {}
         """By product: (its region, the power of two its operands took)."""
 
@@ -165,7 +174,10 @@ class Folds:
     def _product(self, j, rule, ctx, eqn, vals, weak):
         if not _moves(ctx, eqn, vals):
             return rule(ctx, eqn, vals, weak)
-        shares = _shares(self.products[j][1], ctx, eqn, vals)
+        shared = [_is_var(v) and v in self.shared for v in eqn.invars[:2]]
+        shares = _shares(self.products[j][1], ctx, eqn, vals, shared)
+        if not any(shares):
+            return rule(ctx, eqn, vals, weak)
         self.moved[j] = (ctx.region, sum(shares))
         scaled = [x * np.asarray(2.0**k, dtype_of(x)) if k else x for x, k in zip(vals[:2], shares)]
         return rule(ctx, eqn, [*scaled, *vals[2:]], weak)
@@ -204,16 +216,22 @@ def _moves(ctx, eqn, vals) -> bool:
     )
 
 
-def _shares(e: int, ctx, eqn, vals) -> tuple[int, int]:
+def _shares(e: int, ctx, eqn, vals, shared) -> tuple[int, int]:
     """The powers of two multiplying each operand, ``2**e`` in all where each can
     take its half, at most 2**-3 each (`_SHARE`): half each, or all of it on an
-    operand that is not a parameter. A parameter scaled would be
-    a float32 copy the backward pass keeps, where it makes the parameter's 16-bit
+    operand that is neither `shared` (read elsewhere too, as a layer's input is
+    by its query, key and value projections: the scaled copy would be kept beside
+    it for the backward pass) nor a parameter. A parameter scaled would be a
+    float32 copy the backward pass keeps, where it makes the parameter's 16-bit
     cast again from the parameter itself (`mpjax._products`); where both are
-    (attention on the arguments of the function autocast wraps), the smaller."""
+    (attention on the arguments of the function autocast wraps), the smaller.
+    (0, 0) where neither can take it: the scale stays where it is."""
     params = [p is not None for p in fusions.parameters(ctx, eqn, vals[:2])]
-    if not any(params):
+    free = [not (p or s) for p, s in zip(params, shared)]
+    if all(free):
         return max(e - e // 2, _SHARE), max(e // 2, _SHARE)
-    if all(params):
-        params = [np.size(vals[0]) > np.size(vals[1]), np.size(vals[0]) <= np.size(vals[1])]
-    return (max(e, _SHARE), 0) if not params[0] else (0, max(e, _SHARE))
+    if not any(free):
+        if any(shared):
+            return 0, 0
+        free = [np.size(vals[0]) <= np.size(vals[1]), np.size(vals[0]) > np.size(vals[1])]
+    return (max(e, _SHARE), 0) if free[0] else (0, max(e, _SHARE))

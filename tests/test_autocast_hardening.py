@@ -1322,6 +1322,31 @@ def test_a_scale_that_autocast_runs_as_written_is_float32():
     np.testing.assert_allclose(jax.jit(mpjax.autocast(f))(q, k, a, b), want, atol=1e-3)
 
 
+def test_a_scale_is_not_moved_onto_an_operand_other_products_read_too():
+    # Flax's attention divides the query projection by jnp.sqrt(head_dim): the
+    # layer's input, read by the key and value projections too, would be scaled
+    # into a copy the backward pass keeps beside it (and a parameter scaled, into
+    # a float32 copy). The scale stays after the product: the residuals are those
+    # of the program as written.
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    x, w = jax.random.normal(k1, (4, 8)), 0.3 * jax.random.normal(k2, (8, 8))
+    wq, wk, wv = 0.3 * jax.random.normal(k3, (3, 8, 8))
+
+    def layer(w, wq, wk, wv, x):
+        h = jnp.tanh(x @ w)  # an activation, read by the three projections
+        q = (h @ wq) / jnp.sqrt(8.0)
+        return jnp.sum(jax.nn.softmax(q * (h @ wk), axis=-1) * (h @ wv))
+
+    def residual_bytes(f):
+        shapes = jax.eval_shape(lambda *a: jax.vjp(f, *a)[1], w, wq, wk, wv, x)
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
+
+    moved = residual_bytes(mpjax.autocast(layer))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mpjax._prescale, "find", lambda *args: {})
+        assert moved == residual_bytes(mpjax.autocast(layer))
+
+
 def test_a_moved_scale_costs_the_backward_products_at_most_eight_times_their_headroom():
     # (h @ W) / 64 with W a parameter: h alone may take at most 2**-3 of the scale,
     # so the backward product of h's cotangent grows at most 8x against as written
