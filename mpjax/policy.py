@@ -270,22 +270,31 @@ def equation_rule(eqn, lean: bool = False) -> Rule:
     square: float32, as ``square`` and torch's ``pow`` and ``norm``, not 16 bits
     past 256. A Python number divided by a value (``1.0 / x``) is a reciprocal:
     float32, as ``jnp.reciprocal`` and torch's ``__rdiv__``, not inf below 1.5e-5.
-    A vector dot product (``jnp.vdot``, ``jnp.dot`` of 1-D arrays: one number) runs
-    at the dtypes the program gave it, as torch's ``dot`` (on its promote list):
-    16 bits save nothing there, and a float16 sum of squares overflows past 65504.
+    A vector dot product (``jnp.vdot``, ``jnp.dot`` of 1-D arrays: one number), or
+    a batch of them (``einsum("bn,bn->b")``, a 1-D dot under vmap: no operand has a
+    dimension of its own) runs at the dtypes the program gave it, as torch's
+    ``dot`` (on its promote list): 16 bits save nothing on a reduction to one
+    number per row, and a float16 sum of squares overflows past 65504.
     """
     a, name = eqn.invars, eqn.primitive.name
     if name == "mul" and a[0] is a[1] and not isinstance(a[0], _compat.Literal):
         return rule_for("square", lean=lean)
     if name == "div" and isinstance(a[0], _compat.Literal):
         return rule_for("integer_pow", lean=lean)
-    if name == "dot_general" and eqn.outvars[0].aval.shape == ():
+    if name == "dot_general" and _vector_dots(eqn):
         return Rule.ORIGINAL
     if name == "gather" and math.prod(eqn.params["slice_sizes"]) == 1:
         # Single elements (jnp.searchsorted, jnp.interp, quantiles, x[i] of a
         # vector), not an embedding's rows: rounded, they fall in other bins.
         return rule_for("gather")
     return rule_for(name, lean=lean)
+
+
+def _vector_dots(eqn) -> bool:
+    """Whether every dimension of both operands is contracted or a batch one."""
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
+    lhs, rhs = (v.aval.ndim for v in eqn.invars[:2])
+    return len(lhs_contract) + len(lhs_batch) == lhs and len(rhs_contract) + len(rhs_batch) == rhs
 
 
 def is_castable(dtype) -> bool:

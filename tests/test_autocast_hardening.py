@@ -1018,6 +1018,31 @@ def test_a_vector_dot_product_runs_as_written(low):
     np.testing.assert_allclose(out, f(w, x, v[:, :1].repeat(8, 0)[:8]), rtol=rel_tol(low))
 
 
+def test_a_batch_of_vector_dot_products_runs_as_written(low):
+    # einsum("bn,bn->b") is one vector dot per row, as optax.ctc_loss picks each
+    # sequence's final log-probability with a one-hot: in float16 its log(eps) of
+    # -1e5 was -inf, and -inf * 0 a NaN loss where float32 is finite.
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    x, w = jax.random.normal(k1, (2, 30, 16)), 0.3 * jax.random.normal(k2, (16, 12))
+    lengths = jnp.array([5, 8])
+    paddings = (jnp.arange(20)[None] >= lengths[:, None]).astype(jnp.float32)
+    labels = jnp.where(paddings > 0, 0, jax.random.randint(k3, (2, 20), 1, 12))
+
+    def loss(w, x):
+        return optax.ctc_loss(x @ w, jnp.zeros((2, 30)), labels, paddings)
+
+    got, want = jax.jit(mpjax.autocast(loss, dtype=low))(w, x), loss(w, x)
+    np.testing.assert_allclose(got, want, rtol=rel_tol(low))
+    grads = jax.grad(lambda w: mpjax.autocast(loss, dtype=low)(w, x).sum())(w)
+    assert np.isfinite(grads).all()
+    # The rows' products, and a 1-D dot under vmap, keep the dtypes they were given.
+    rows = lambda a, b: jnp.einsum("bn,bn->b", a, b)  # noqa: E731
+    for f in (rows, jax.vmap(jnp.dot)):
+        jaxpr = jax.make_jaxpr(mpjax.autocast(f, dtype=low))(x[0], x[0])
+        (dot,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
+        assert [v.aval.dtype for v in (*dot.invars, *dot.outvars)] == [F32] * 3
+
+
 def test_a_number_divided_by_a_value_is_a_float32_reciprocal(low):
     x = jnp.full((2, 4), 1e-5)
 
