@@ -1033,7 +1033,7 @@ def test_a_batch_of_vector_dot_products_runs_as_written(low):
 
     got, want = jax.jit(mpjax.autocast(loss, dtype=low))(w, x), loss(w, x)
     np.testing.assert_allclose(got, want, rtol=rel_tol(low))
-    grads = jax.grad(lambda w: mpjax.autocast(loss, dtype=low)(w, x).sum())(w)
+    grads = jax.jit(jax.grad(lambda w: mpjax.autocast(loss, dtype=low)(w, x).sum()))(w)
     assert np.isfinite(grads).all()
     # The rows' products, and a 1-D dot under vmap, keep the dtypes they were given.
     rows = lambda a, b: jnp.einsum("bn,bn->b", a, b)  # noqa: E731
