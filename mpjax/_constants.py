@@ -66,7 +66,7 @@ def propagate(scope, eqn, vals, outs, first_order: bool) -> None:
     all_known = all(k is not None for k in known)
     if first_order and all_known:
         if all(isinstance(n := size(o), int) and n <= EXACT_LIMIT for o in outs):
-            exact = _evaluate(eqn, known, outs)
+            exact = evaluate(eqn, known, outs)
             if exact is not None:
                 for o, e in zip(outs, exact):
                     scope.record_constant(o, e)
@@ -93,13 +93,13 @@ def _elementwise_sets(scope, eqn, known, outs) -> None:
         return
     grids = [g.ravel().astype(k.dtype) for g, k in zip(np.meshgrid(*sets, indexing="ij"), known)]
     flat = [jax.ShapeDtypeStruct((n,), dtype_of(o)) for o in outs]
-    results = _evaluate(eqn, grids, flat)
+    results = evaluate(eqn, grids, flat)
     for o, r in zip(outs, results or ()):
         if policy.is_castable(dtype_of(o)):
             scope.record_constant(o, np.unique(r))
 
 
-def _evaluate(eqn, known, outs):
+def evaluate(eqn, known, outs):
     """`eqn` on the concrete inputs `known`, if it gives the outputs' types."""
     try:
         with jax.ensure_compile_time_eval():

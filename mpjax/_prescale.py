@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mpjax import _compat, _products, fusions, policy
+from mpjax import _compat, _constants, _products, fusions, policy
 from mpjax._casting import F32, dtype_of
 from mpjax.fusions import _is_var
 from mpjax.policy import Rule
@@ -46,18 +46,12 @@ float16's subnormals, and would cost the backward product of the cotangent and t
 other operand more headroom (it carries what the forward one lost)."""
 
 
-# Scalar arithmetic a scale is computed with, evaluated here as numbers: only
-# the power of two is taken from the value, the program computes its own.
-_NUMBERS = {
-    "convert_element_type": lambda x, **_: x,
-    "sqrt": lambda x, **_: np.sqrt(x),
-    "rsqrt": lambda x, **_: 1 / np.sqrt(x),
-    "integer_pow": lambda x, *, y, **_: x**y,
-    "pow": lambda x, y, **_: np.power(x, y),
-    "mul": lambda x, y, **_: x * y,
-    "div": lambda x, y, **_: x / y,
-    "neg": lambda x, **_: -x,
-}
+# Scalar arithmetic a scale is computed with (``jnp.sqrt(head_dim)``), evaluated
+# at trace time: only the power of two is taken from the value, the program
+# computes its own.
+_NUMBERS = frozenset({
+    "convert_element_type", "sqrt", "rsqrt", "integer_pow", "pow", "mul", "div", "neg",
+})  # fmt: skip
 
 
 def constants(jaxpr, consts=()) -> dict:
@@ -71,14 +65,18 @@ def constants(jaxpr, consts=()) -> dict:
         and not _compat.is_tracer(c)
     }
     for eqn in jaxpr.eqns:
-        number = _NUMBERS.get(eqn.primitive.name)
-        if number is None or len(eqn.outvars) != 1 or eqn.outvars[0].aval.shape != ():
+        if eqn.primitive.name not in _NUMBERS or len(eqn.outvars) != 1:
             continue
+        out = eqn.outvars[0].aval
         values = [_value(v, known) for v in eqn.invars]
-        dtype = np.dtype(eqn.outvars[0].aval.dtype)
-        if dtype.kind == "f" and all(x is not None for x in values):
-            with np.errstate(all="ignore"):
-                known[eqn.outvars[0]] = np.asarray(number(*values, **eqn.params), dtype)
+        if (
+            out.shape == ()
+            and np.dtype(out.dtype).kind == "f"
+            and all(x is not None for x in values)
+        ):
+            exact = _constants.evaluate(eqn, values, [out])
+            if exact is not None:
+                known[eqn.outvars[0]] = exact[0]
     return known
 
 
