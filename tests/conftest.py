@@ -170,7 +170,11 @@ def rel_tol(low):
 def compiled_kernels(fn, *args) -> int:
     """The instructions of ``jax.jit(fn)``'s compiled entry computation, for `args`,
     that run as kernels (fusions, copies, unfused ops)."""
-    text = jax.jit(fn).lower(*args).compile().as_text()
+    return kernels_of(jax.jit(fn).lower(*args).compile().as_text())
+
+
+def kernels_of(text: str) -> int:
+    """`compiled_kernels` of a compiled program's text."""
     entry = text[text.index("\nENTRY") :].splitlines()[1:]
     ops = (re.search(r" = \S+ ([\w-]+)\(", line) for line in entry)
     free = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}

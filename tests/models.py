@@ -1,5 +1,7 @@
 """Small pure-JAX models the autocast tests run (float32 parameters)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -135,33 +137,28 @@ def moe_loss(params, x, y, k=2):
     return jnp.mean((x + combined - y) ** 2) + 0.01 * balance
 
 
-def model_cases(key=jax.random.key(0)):
-    """(name, loss, params, inputs) for every model, with small data."""
-    k = jax.random.split(key, 8)
-    return [
-        (
-            "mlp",
-            mlp_loss,
-            mlp_init(k[0]),
-            (jax.random.normal(k[1], (8, 12)), jax.random.randint(k[2], (8,), 0, 5)),
-        ),
-        (
-            "cnn",
-            cnn_loss,
-            cnn_init(k[3]),
-            (jax.random.normal(k[4], (2, 8, 8, 1)), jnp.array([1, 3])),
-        ),
-        ("transformer", block_loss, block_init(k[5]), (jax.random.randint(k[6], (2, 9), 0, 11),)),
-        (
-            "rnn",
-            rnn_loss,
-            rnn_init(k[7]),
-            (jax.random.normal(k[1], (7, 4, 6)), jax.random.normal(k[2], (4, 1))),
-        ),
-        (
-            "moe",
-            moe_loss,
-            moe_init(k[4]),
-            (jax.random.normal(k[5], (24, 16)), jax.random.normal(k[6], (24, 16))),
-        ),
-    ]
+MODELS = {
+    "mlp": mlp_loss,
+    "cnn": cnn_loss,
+    "transformer": block_loss,
+    "rnn": rnn_loss,
+    "moe": moe_loss,
+}
+"""Every model's loss, by name: `model_case` draws its parameters and data."""
+
+
+@functools.cache
+def model_case(name):
+    """(loss, params, inputs) of the model `name`, with small data. Drawn when a
+    test first asks, not while pytest collects the tests (in every worker): each
+    draw compiles."""
+    k = jax.random.split(jax.random.key(0), 8)
+    normal, randint = jax.random.normal, jax.random.randint
+    params, inputs = {
+        "mlp": lambda: (mlp_init(k[0]), (normal(k[1], (8, 12)), randint(k[2], (8,), 0, 5))),
+        "cnn": lambda: (cnn_init(k[3]), (normal(k[4], (2, 8, 8, 1)), jnp.array([1, 3]))),
+        "transformer": lambda: (block_init(k[5]), (randint(k[6], (2, 9), 0, 11),)),
+        "rnn": lambda: (rnn_init(k[7]), (normal(k[1], (7, 4, 6)), normal(k[2], (4, 1)))),
+        "moe": lambda: (moe_init(k[4]), (normal(k[5], (24, 16)), normal(k[6], (24, 16)))),
+    }[name]()
+    return MODELS[name], params, inputs

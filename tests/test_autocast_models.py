@@ -17,10 +17,7 @@ from conftest import (
     rel_tol,
     value_dtypes,
 )
-from models import model_cases
-
-CASES = model_cases()
-IDS = [c[0] for c in CASES]
+from models import MODELS, model_case
 
 
 @pytest.fixture(params=["torch", "lean"])
@@ -28,8 +25,9 @@ def policy(request):
     return request.param
 
 
-@pytest.mark.parametrize("name,loss,params,inputs", CASES, ids=IDS)
-def test_every_equation_obeys_policy(name, loss, params, inputs, low, policy):
+@pytest.mark.parametrize("name", MODELS)
+def test_every_equation_obeys_policy(name, low, policy):
+    loss, params, inputs = model_case(name)
     jaxpr = jax.make_jaxpr(mpjax.autocast(loss, dtype=low, policy=policy))(params, *inputs)
     by_name = assert_obeys_policy(jaxpr, low)
     matmuls = by_name.get("dot_general", []) + by_name.get("conv_general_dilated", [])
@@ -38,8 +36,9 @@ def test_every_equation_obeys_policy(name, loss, params, inputs, low, policy):
     assert jaxpr.out_avals[0].dtype == F32
 
 
-@pytest.mark.parametrize("name,loss,params,inputs", CASES, ids=IDS)
-def test_loss_and_grads_close_to_float32(name, loss, params, inputs, low, policy):
+@pytest.mark.parametrize("name", MODELS)
+def test_loss_and_grads_close_to_float32(name, low, policy):
+    loss, params, inputs = model_case(name)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss))(params, *inputs)
     out_loss, grads = jax.jit(jax.value_and_grad(mpjax.autocast(loss, dtype=low, policy=policy)))(
         params, *inputs
@@ -54,8 +53,9 @@ def test_loss_and_grads_close_to_float32(name, loss, params, inputs, low, policy
         assert err < 4 * rel_tol(low), (name, err)
 
 
-@pytest.mark.parametrize("name,loss,params,inputs", CASES, ids=IDS)
-def test_backward_matmuls_run_in_low_precision(name, loss, params, inputs, low):
+@pytest.mark.parametrize("name", MODELS)
+def test_backward_matmuls_run_in_low_precision(name, low):
+    loss, params, inputs = model_case(name)
     jaxpr = jax.make_jaxpr(jax.grad(mpjax.autocast(loss, dtype=low)))(params, *inputs)
     matmuls = [
         e for e in all_eqns(jaxpr) if e.primitive.name in ("dot_general", "conv_general_dilated")
@@ -74,7 +74,7 @@ def test_backward_matmuls_run_in_low_precision(name, loss, params, inputs, low):
 
 
 def test_transformer_attention_details(low):
-    _, loss, params, (tokens,) = CASES[2]
+    loss, params, (tokens,) = model_case("transformer")
     jaxpr = jax.make_jaxpr(mpjax.autocast(loss, dtype=low))(params, tokens)
     eqns = list(all_eqns(jaxpr))
     # The -1e9 mask is a weak literal: where the low dtype holds it (bfloat16) the
@@ -111,7 +111,7 @@ def _residual_bytes(f, *args):
 
 
 def test_both_policies_keep_fewer_residual_bytes():
-    _, loss, params, _ = CASES[2]
+    loss, params, _ = model_case("transformer")
     tokens = jax.random.randint(jax.random.key(1), (8, 65), 0, 11)
     f32 = _residual_bytes(loss, params, tokens)
     torch_style = _residual_bytes(mpjax.autocast(loss), params, tokens)
@@ -148,7 +148,7 @@ def test_lean_policy_keeps_the_users_float16_data_out_of_bfloat16():
 
 
 def test_lean_policy_details():
-    _, loss, params, (tokens,) = CASES[2]
+    loss, params, (tokens,) = model_case("transformer")
     eqns = list(all_eqns(jax.make_jaxpr(mpjax.autocast(loss, policy="lean"))(params, tokens)))
     # The embedding lookup hands on float16 rows: it gathers from the float32 table
     # and rounds the rows (no float16 copy of the table; its gradient, a scatter-add,

@@ -12,24 +12,39 @@ of the float32 range.
   updates.
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import compiled_kernels
+from conftest import kernels_of
 
 import mpjax
 from mpjax import _finite
 from mpjax.gradients import unscale
 
 
-def _compiled_size(tx, n_leaves: int, shape=(4, 3)) -> int:
+BARE, SCALED = None, ()
+"""Bare adam; adam wrapped by the default scaler (its keyword arguments: none)."""
+ACCUMULATING = (("accumulation_steps", 4), ("accumulation", "mean"))
+
+
+@functools.cache
+def _compiled(scaler: tuple | None, n_leaves: int, shape=(4, 3)) -> str:
+    """The compiled update's text of adam on n leaves of `shape`, bare (`scaler`
+    None) or wrapped by ``grad_scaler(adam, **dict(scaler))``. Cached: the tests
+    below read the same few programs, each seconds to compile."""
+    tx = optax.adam(1e-3)
+    tx = tx if scaler is None else mpjax.grad_scaler(tx, **dict(scaler))
     params = {f"p{i:04d}": jnp.ones(shape, jnp.float32) for i in range(n_leaves)}
-    state = tx.init(params)
-    text = jax.jit(tx.update).lower(params, state, params).compile().as_text()
-    return text.count("\n")
+    return jax.jit(tx.update).lower(params, tx.init(params), params).compile().as_text()
+
+
+def _compiled_size(scaler: tuple | None, n_leaves: int, shape=(4, 3)) -> int:
+    return _compiled(scaler, n_leaves, shape).count("\n")
 
 
 def test_compiled_update_grows_linearly_with_the_number_of_leaves():
@@ -38,58 +53,57 @@ def test_compiled_update_grows_linearly_with_the_number_of_leaves():
     # The selects fold into adam's own passes and no moment is computed twice:
     # the whole update is a quarter larger than bare adam's (2x before inner's
     # state was selected where it is computed).
-    bare = _compiled_size(optax.adam(1e-3), 200)
-    scaled = _compiled_size(mpjax.grad_scaler(optax.adam(1e-3)), 200)
+    bare = _compiled_size(BARE, 200)
+    scaled = _compiled_size(SCALED, 200)
     assert scaled <= 1.4 * bare, (scaled, bare)
     # ... and the per-leaf cost does not depend on how many leaves there are.
-    small = _compiled_size(mpjax.grad_scaler(optax.adam(1e-3)), 50)
+    small = _compiled_size(SCALED, 50)
     assert scaled <= 4.5 * small, (scaled, small)
 
 
 @pytest.mark.parametrize(
-    "kwargs, most",
-    [({}, 2.0), ({"accumulation_steps": 4, "accumulation": "mean"}, 3.5)],
+    "scaler, most",
+    [(SCALED, 2.0), (ACCUMULATING, 3.5)],
     ids=["step", "accumulating"],
 )
-def test_compiled_update_grows_linearly_with_large_leaves_too(kwargs, most):
+def test_compiled_update_grows_linearly_with_large_leaves_too(scaler, most):
     # Large leaves are checked each by a reduction, whose flags are combined by
     # a float32 max: over booleans or integers XLA would make it a chain of
     # scalar ops copied into every select (the quadratic program, 36x bare adam
-    # when accumulating over 200 leaves).
+    # when accumulating over 200 leaves, so about half that over the 100 here).
     shape = (_finite.LARGE,)
-    bare = _compiled_size(optax.adam(1e-3), 200, shape)
-    scaled = _compiled_size(mpjax.grad_scaler(optax.adam(1e-3), **kwargs), 200, shape)
+    bare = _compiled_size(BARE, 100, shape)
+    scaled = _compiled_size(scaler, 100, shape)
     assert scaled <= most * bare, (scaled, bare)
 
 
-def _kernels(tx, n_leaves: int) -> int:
+def _kernels(scaler: tuple | None, n_leaves: int) -> int:
     """The instructions of the compiled update's entry computation that run as
     kernels (fusions, copies, unfused ops), for n leaves of 12 parameters."""
-    params = {f"p{i:04d}": jnp.ones((4, 3), jnp.float32) for i in range(n_leaves)}
-    return compiled_kernels(tx.update, params, tx.init(params), params)
+    return kernels_of(_compiled(scaler, n_leaves))
 
 
 @pytest.mark.parametrize(
-    "kwargs, per_leaf, fixed",
+    "scaler, per_leaf, fixed",
     [
         # nothing per leaf: the gradients are checked by one reduction per leaf
         # size, and inner's state is selected where adam computes it, so XLA
         # folds the selects into adam's own passes; a few scalar kernels (the
         # check, the scale, the tracker, the counts)
-        ({}, 0, 10),
+        (SCALED, 0, 10),
         # the selects of updates, mu and nu and the update's own pass again, which
         # can only run once the updates (and the moments) are checked
-        ({"check_updates": True}, 4, 20),
+        ((("check_updates", True),), 4, 20),
         # the accumulator's add and its reset
-        ({"accumulation_steps": 4, "accumulation": "mean"}, 2, 15),
+        (ACCUMULATING, 2, 15),
     ],
     ids=["step", "updates checked too", "accumulating"],
 )
-def test_scaler_adds_a_few_kernels_per_leaf(kwargs, per_leaf, fixed):
+def test_scaler_adds_a_few_kernels_per_leaf(scaler, per_leaf, fixed):
     # Compile time follows the number of kernels; the scaler's own must be a
     # small constant per leaf, the same at 50 leaves as at 200.
-    bare = {n: _kernels(optax.adam(1e-3), n) for n in (50, 200)}
-    scaled = {n: _kernels(mpjax.grad_scaler(optax.adam(1e-3), **kwargs), n) for n in (50, 200)}
+    bare = {n: _kernels(BARE, n) for n in (50, 200)}
+    scaled = {n: _kernels(scaler, n) for n in (50, 200)}
     for n in (50, 200):
         assert scaled[n] - bare[n] <= per_leaf * n + fixed, (n, scaled[n], bare[n])
     growth = (scaled[200] - scaled[50]) - (bare[200] - bare[50])
@@ -99,10 +113,8 @@ def test_scaler_adds_a_few_kernels_per_leaf(kwargs, per_leaf, fixed):
 
 
 def test_accumulating_update_grows_linearly_with_the_number_of_leaves():
-    bare = _compiled_size(optax.adam(1e-3), 200)
-    scaled = _compiled_size(
-        mpjax.grad_scaler(optax.adam(1e-3), accumulation_steps=4, accumulation="mean"), 200
-    )
+    bare = _compiled_size(BARE, 200)
+    scaled = _compiled_size(ACCUMULATING, 200)
     assert scaled <= 3 * bare, (scaled, bare)
 
 
