@@ -99,6 +99,12 @@ class AuditReport:
             f"dot/conv FLOPs in 16-bit precision: {self.low_precision_fraction:.1%} "
             f"of {self.matmul_flops:,}"
         )
+        if self.matmul_flops and not self.low_precision_flops:
+            # The usual cause: the function audited is not the autocast one.
+            lines.append(
+                "no product runs in 16 bits: audit the function autocast returns "
+                "(audit(autocast(f), ...)), or one that calls it"
+            )
         return "\n".join(lines)
 
 

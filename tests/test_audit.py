@@ -95,6 +95,17 @@ def test_conv_flops():
     assert report.matmul_flops == 2 * 2 * (8 * 3 - 2) ** 2 * 3 * 8
 
 
+def test_a_program_with_no_16_bit_product_says_what_to_audit():
+    def f(w, x):
+        return jnp.sum(x @ w)
+
+    w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
+    assert "audit(autocast(f), ...)" in str(mpjax.audit(f, w, x))
+    # ... and not where products do run in 16 bits, or where there are none.
+    assert "no product" not in str(mpjax.audit(jax.grad(mpjax.autocast(f)), w, x))
+    assert "no product" not in str(mpjax.audit(jnp.sin, w))
+
+
 def test_audit_of_a_gradient_is_not_confused_with_the_autocast_function():
     report = mpjax.audit(jax.grad(mpjax.autocast(lambda w: jnp.sum(w @ w))), jnp.ones((3, 3)))
     assert report.casts_inserted is None
