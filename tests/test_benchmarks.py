@@ -28,6 +28,7 @@ compile_options = importlib.import_module("benchmarks.compile_options")
 variants = importlib.import_module("benchmarks.variants")
 VARIANTS = variants.VARIANTS
 FAMILIES = importlib.import_module("benchmarks.cli").FAMILIES
+SMOKE_VARIANTS = importlib.import_module("benchmarks.cli").MODES["smoke"]["static_variants"]
 SIZES = importlib.import_module("benchmarks.models").SIZES
 
 
@@ -65,7 +66,7 @@ def test_memory(results):
     assert set(out["memory"]) == set(FAMILIES) == {"gpt", "vit", "resnet", "resnet_bn"}
     for family in FAMILIES:
         mem = out["memory"][family]
-        assert set(mem) == set(VARIANTS)
+        assert set(mem) == set(SMOKE_VARIANTS)
         for m in mem.values():
             assert m["activation_bytes"] > 0
             assert sum(m["by_dtype"].values()) == m["activation_bytes"]
@@ -78,7 +79,7 @@ def test_memory(results):
         # No variant computes a matrix product again in its backward pass; only
         # autocast's rematerialized regions recompute anything (tests/test_recompute.py).
         assert all(m["recomputed_products"] == 0 for m in mem.values())
-        for name in ("float32", "handcast-f16", "handcast-bf16"):
+        for name in ("float32", "handcast-bf16"):
             assert mem[name]["recomputed_bytes"] == 0
     assert out["memory"]["gpt"]["autocast-bf16"]["recomputed_bytes"] > 0  # its GELUs
 
