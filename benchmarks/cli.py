@@ -74,7 +74,8 @@ MODES = {
 coverage only trace, so they take the mode's largest size; run times need a size the
 CPU can run many times. --smoke and --quick time one model and a few variants
 (`variants`; None: all), without warm-up rounds, to stay within their budgets (a
-test's; 2 minutes); the full run times every model and every variant."""
+test's; 2 minutes); the full run times every model and every variant. --smoke also
+traces fewer variants for memory and coverage (`static_variants`; all by default)."""
 
 COMPILE_VARIANTS = ["float32", "autocast-bf16", "handcast-bf16"]
 """Same optimizer (adamw) in all three: autocast against none, and against casting by hand."""
