@@ -124,28 +124,19 @@ def _bench_loss(family, low, policy):
     return value_fn(spec, variant)
 
 
-def _all_programs():
-    """(id, autocast loss factory, args) of every model: `args` names the model
-    whose arguments `_args` draws, once, when a test first asks."""
-    for name, loss in MODELS.items():
-        yield (
-            name,
-            (lambda low, policy, loss=loss: mpjax.autocast(loss, dtype=low, policy=policy)),
-            name,
-        )
-    for family in BENCH_FAMILIES:
-        yield (
-            f"bench-{family}",
-            (lambda low, policy, family=family: _bench_loss(family, low, policy)),
-            f"bench-{family}",
-        )
+PROGRAMS = list(MODELS) + [f"bench-{family}" for family in BENCH_FAMILIES]
+"""Every model by name: tests/models.py's, then the benchmark models'."""
 
 
-PROGRAMS = list(_all_programs())
-IDS = [p[0] for p in PROGRAMS]
+def _model_loss(name, low, policy):
+    """The model's loss under autocast."""
+    if name.startswith("bench-"):
+        return _bench_loss(name.removeprefix("bench-"), low, policy)
+    return mpjax.autocast(MODELS[name], dtype=low, policy=policy)
 
 
 def _args(name):
+    """The model's arguments, drawn once, when a test first asks."""
     if name.startswith("bench-"):
         return _bench_cases()[name.removeprefix("bench-")]
     _, params, inputs = model_case(name)
@@ -154,22 +145,21 @@ def _args(name):
 
 @pytest.mark.parametrize("low", LOWS, ids=["float16", "bfloat16"])
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("name,make,args", PROGRAMS, ids=IDS)
-def test_no_16_bit_sum_in_the_gradient(name, make, args, policy, low, f16_reductions_rejected):
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_no_16_bit_sum_in_the_gradient(name, policy, low, f16_reductions_rejected):
     # Traced and lowered with JAX's guard on, and no 16-bit sum of any kind found
     # in the traced program (scatter-adds and cumulative sums too, which the
     # guard does not look at).
-    traced = jax.jit(jax.grad(make(low, policy))).trace(*_args(args))
+    traced = jax.jit(jax.grad(_model_loss(name, low, policy))).trace(*_args(name))
     assert sixteen_bit_sums(traced.jaxpr) == []
     assert "stablehlo" in traced.lower().as_text()
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("name,make,args", PROGRAMS, ids=IDS)
-def test_forward_mode_has_no_16_bit_sum(name, make, args, policy):
-    args = _args(args)
-    params, rest = args[0], args[1:]
-    fun = make(jnp.bfloat16, policy)
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_forward_mode_has_no_16_bit_sum(name, policy):
+    params, *rest = _args(name)
+    fun = _model_loss(name, jnp.bfloat16, policy)
     tangent = jax.tree.map(jnp.ones_like, params)
     jaxpr = jax.make_jaxpr(lambda p: jax.jvp(lambda q: fun(q, *rest), (p,), (tangent,)))(params)
     assert sixteen_bit_sums(jaxpr) == []
