@@ -35,10 +35,11 @@ benchmark model at full size (autocast float16 loss, forward, backward and AdamW
 with `grad_scaler(adamw)` against plain adamw: the compile a user waits for.
 
 With ``--check``, the finite check of one float32 leaf of each size alone, by
-a reduction over booleans and by `mpjax._finite.nonfinite`'s max over bytes (the
-check of a leaf of `mpjax._finite.LARGE` elements or more; smaller leaves are
-stacked by size and checked together), against an elementwise pass over the same
-leaf (``x + 1``).
+a reduction over booleans, by a max over bytes, and by `mpjax._finite.nonfinite`'s
+sum of ``x - x`` (the check of a leaf of `mpjax._finite.LARGE` elements or more;
+smaller leaves are stacked by size and checked the same way), against an
+elementwise pass over the same leaf (``x + 1``): run time on one leaf, and compile
+time on leaves of 8 sizes, each a kernel of its own.
 
 With ``--models``, also the whole jitted training step of each benchmark model
 (autocast float16 loss, `grad_scaler(adamw)` against plain adamw) at the size the
@@ -227,25 +228,37 @@ def step_ratio(
 _CHECKS = {
     "elementwise pass": lambda x: x + 1,
     "any over booleans": lambda x: jnp.any(~jnp.isfinite(x)),
-    "max over bytes": _finite.nonfinite,
+    "max over bytes": lambda x: jnp.max((~jnp.isfinite(x)).astype(jnp.uint8)) > 0,
+    "sum of x - x": _finite.nonfinite,
 }
+"""Ways to check one leaf for an inf or a NaN, against an elementwise pass over it."""
+
+_CHECK_SIZES = 8
+"""`check_ratios` compiles each check on this many leaves, each of a size of its own."""
 
 
 def check_ratios(size: int, repeats: int = 15) -> dict:
-    """Run time of each finite check on one leaf of `size` elements, over a pass."""
+    """Run time of each finite check on one leaf of `size` elements, over a pass; and
+    compile time of each on `_CHECK_SIZES` leaves of sizes from `size` up (each size a
+    kernel of its own, as the leaves of a model's shapes are), over a pass's."""
     x = jnp.full((size,), 0.5, jnp.float32)
     calls = max(1, int(2e7 // size))
-    contenders = {}
+    shapes = [jax.ShapeDtypeStruct((size + i,), jnp.float32) for i in range(_CHECK_SIZES)]
+    run, build = {}, {}
     for name, fn in _CHECKS.items():
         compiled = jax.jit(fn).lower(x).compile()
-        contenders[name] = lambda c=compiled: _step_seconds(c, x, calls=calls)
-    med = timing.interleaved(contenders, repeats=repeats)
-    base = med["elementwise pass"]["step"]
+        run[name] = lambda c=compiled: _step_seconds(c, x, calls=calls)
+        build[name] = lambda fn=fn: _compile_seconds(lambda xs: [fn(v) for v in xs], shapes)
+    med = timing.interleaved(run, repeats=repeats)
+    built = timing.interleaved(build, repeats=max(1, repeats // 5), warmup=False)
+    base, base_compile = med["elementwise pass"]["step"], built["elementwise pass"]["total"]
     return {
         "size": size,
         "pass_s": base,
+        "pass_compile_s": base_compile,
         **{name: med[name]["step"] / base for name in list(_CHECKS)[1:]},
-        "used": "max over bytes" if size >= _finite.LARGE else "stacked, any over booleans",
+        **{f"{name} compile": built[name]["total"] / base_compile for name in list(_CHECKS)[1:]},
+        "used": "sum of x - x" if size >= _finite.LARGE else "stacked by size, sum of x - x",
     }
 
 
@@ -323,13 +336,22 @@ def main(argv=None) -> None:
         print(f"| {int(p):.0e} | {_row(r, args.scalers, '.2f', 1e3)}", flush=True)
     if args.check:
         print()
-        print("| leaf size | pass (us) | any over booleans | max over bytes | mpjax uses |")
-        print("|---:|---:|---:|---:|---|")
+        checks = list(_CHECKS)[1:]
+        print(
+            "| leaf size | pass (us) | "
+            + " | ".join(checks)
+            + f" | compile of {_CHECK_SIZES} sizes: pass (s) | "
+            + " | ".join(checks)
+            + " | mpjax uses |"
+        )
+        print("|---:" * (3 + 2 * len(checks)) + "|---|")
     for size in args.check:
         r = check_ratios(int(size), repeats=args.repeats)
+        run = " | ".join(f"{r[name]:.3f}" for name in checks)
+        build = " | ".join(f"{r[name + ' compile']:.3f}" for name in checks)
         print(
-            f"| {int(size)} | {1e6 * r['pass_s']:.1f} | {r['any over booleans']:.3f} "
-            f"| {r['max over bytes']:.3f} | {r['used']} |",
+            f"| {int(size)} | {1e6 * r['pass_s']:.1f} | {run} "
+            f"| {r['pass_compile_s']:.3f} | {build} | {r['used']} |",
             flush=True,
         )
     if args.models:

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpjax import _compat
+
 LARGE = 2**14
 """Leaves of this many elements or more are checked each by a reduction of its own."""
 
@@ -31,16 +33,34 @@ def inexact(x) -> bool:
 
 
 def nonfinite(x) -> jax.Array:
-    """Whether `x` holds an inf or a NaN, as a bool scalar.
+    """Whether `x` holds an inf or a NaN, as a bool scalar."""
+    return nonfinite_sum(x) != 0
 
-    A max over bytes: on XLA:CPU it runs in 0.4x to 0.8x the time of ``any``
-    over booleans on a large leaf (``python -m benchmarks.scaler --check``).
-    Not a max over the values themselves: XLA:CPU's max of 4096 or more
-    floats drops a NaN (jax 0.10 to 0.12), so a NaN leaf would pass.
+
+def nonfinite_sum(x, axis=None) -> jax.Array:
+    """A float32 sum over `axis` (all by default) that is 0 where every value summed
+    is finite, and not 0 (NaN, or a count eagerly) where one is not.
+
+    Under a trace, the sum of ``x - x``: inf - inf is NaN, and a NaN survives
+    additions in any order (XLA folds ``x - x`` to 0 for integers only). XLA fuses
+    the difference into the reduction: one kernel for each leaf shape, which reads
+    the leaf once, and which XLA:CPU compiles about 10x faster than a pass writing
+    flags plus a reduction of them (``python -m benchmarks.scaler --check``). Not
+    ``x * 0``: XLA:CPU may read its zeros from a copy as large as the leaf. Not a
+    max over the values: XLA:CPU's max of 4096 or more floats drops a NaN.
     """
+    if not _compat.is_tracer(x):
+        # Eagerly, jax_debug_nans checks each operation: a NaN of the check's own
+        # would be reported as the user's.
+        return jnp.sum(~jnp.isfinite(x), axis=axis, dtype=jnp.float32)
     # Over every axis, not a ravel: a leaf sharded along any axis is reduced where
-    # it lies, and its flags meet in one scalar all-reduce.
-    return jnp.max((~jnp.isfinite(x)).astype(jnp.uint8), initial=0) > 0
+    # it lies, and its sums meet in one scalar all-reduce. Accumulated in float32
+    # at least: a 16-bit sum is what jax_allow_f16_reductions=False rejects.
+    dtype = jnp.promote_types(jnp.result_type(x), jnp.float32)
+    total = jnp.sum(x - x, axis=axis, dtype=dtype)
+    if jnp.iscomplexobj(total):
+        total = total.real + total.imag
+    return total.astype(jnp.float32)
 
 
 def leaf_flags(leaves: Sequence) -> tuple[jax.Array, list[int], jax.Array]:
@@ -60,35 +80,24 @@ def leaf_flags(leaves: Sequence) -> tuple[jax.Array, list[int], jax.Array]:
     for idx in small.values():
         for start in range(0, len(idx), _STACK):
             chunk = idx[start : start + _STACK]
-            # The values are stacked, not their flags: XLA then checks them in
-            # one kernel; stacked flags made a kernel per leaf.
+            # The values are stacked, not their sums: XLA then checks them in one
+            # kernel, where it makes a kernel for each small leaf.
             rows = jnp.stack([leaves[i] for i in chunk])
-            parts.append(_rows_nonfinite(rows))
+            parts.append(nonfinite_sum(rows, axis=tuple(range(1, rows.ndim))))
             order += chunk
-    parts += [nonfinite(leaves[i])[None] for i in large]
+    parts += [nonfinite_sum(leaves[i])[None] for i in large]
     order += large
     if len(parts) == 1:
-        # One reduction to a bool: it reaches every select of the step as it
-        # is, with no comparison for XLA to copy into each.
-        return parts[0], order, jnp.any(parts[0])
-    flags = jnp.concatenate(parts)
-    # XLA turns a reduction over booleans or integers joined from several parts
-    # into a chain of scalar ``or``s, and copies the chain into every kernel that
-    # reads the result (every select of the step): a program quadratic in the
-    # number of leaves. A float32 max it leaves a reduction.
+        flags = parts[0] != 0
+        # One reduction to a bool: it reaches every select of the step as it is.
+        return flags, order, jnp.any(flags)
+    flags = jnp.concatenate(parts) != 0
+    # XLA turns a reduction of values joined from several parts (booleans, or the
+    # sums themselves) into a chain of scalar operations, and copies the chain into
+    # every kernel that reads the result (every select of the step): a program
+    # quadratic in the number of leaves. A float32 max of the flags it leaves a
+    # reduction.
     return flags, order, jnp.max(flags.astype(jnp.float32)) > 0
-
-
-def _rows_nonfinite(rows: jax.Array) -> jax.Array:
-    """For each row of `rows` (its first axis), whether it holds an inf or a NaN.
-
-    A float32 count of the values that are not finite (exact: it only grows),
-    not an ``any`` over booleans: XLA fuses the count into one kernel, where it
-    splits a boolean reduction into a tree of reduce-window kernels, each compiled
-    apart.
-    """
-    bad = jnp.where(jnp.isfinite(rows), jnp.float32(0), jnp.float32(1))
-    return jnp.sum(bad, axis=tuple(range(1, rows.ndim))) > 0
 
 
 def _stack_key(x) -> tuple:
