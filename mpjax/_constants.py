@@ -142,6 +142,29 @@ def _holds(values, dtype) -> bool:
     return bool(np.all(small & (finite <= float(info.max))))
 
 
+def scales_fit(scope, vals, low) -> bool:
+    """Whether each constant operand of a 16-bit product keeps its scale in `low`:
+    its largest magnitude a normal number there (or 0). Beyond that range the cast
+    saturates the constant, and the product is finite and wrong (``h @ jnp.full(s,
+    1e5)`` in float16); below it, the constant becomes zeros and subnormals (``x @
+    jnp.full(s, 1e-8)`` is 0). Smaller elements beside the largest lose precision
+    as a weight's do, and unknown values are taken to fit."""
+    if low is None:
+        return True
+    info = jnp.finfo(low)
+    for x in vals:
+        if not policy.is_castable(dtype_of(x)):
+            continue
+        known = values(scope, x)
+        if known is None:
+            continue
+        magnitude = np.abs(np.asarray(known, np.float64))
+        largest = np.max(magnitude[np.isfinite(magnitude)], initial=0.0)
+        if largest and not float(info.smallest_normal) <= largest <= float(info.max):
+            return False
+    return True
+
+
 def fill_fits(eqn, low) -> bool:
     """Whether a gather's fill value (``mode="fill"``) is one `low` holds: one it
     cannot (``fill_value=1e6`` in float16) runs the gather as written, rather

@@ -79,6 +79,8 @@ def policy_rule(ctx, eqn, vals, weak):
         rule = Rule.FLOAT32  # the shift of a softmax, part of its exp (`_shifts.max_shifts`)
     if rule is Rule.LOW and _products.runs_as_written(eqn, vals):
         rule = Rule.ORIGINAL
+    if rule is Rule.LOW and not _constants.scales_fit(ctx.scope, vals, low):
+        rule = Rule.ORIGINAL  # a constant operand 16 bits would saturate or flush
     if rule is not Rule.ORIGINAL and not _constants.fill_fits(eqn, low):
         rule = Rule.ORIGINAL
     if lean and rule is Rule.FLOAT32 and any(dtype_of(x) in policy.LOW_DTYPES for x in vals):

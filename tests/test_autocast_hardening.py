@@ -116,6 +116,38 @@ def test_constants_the_low_dtype_cannot_hold_are_computed_as_written(low, name):
     np.testing.assert_allclose(got, want, rtol=4 * rel_tol(low))
 
 
+_PRODUCT_CONSTANTS = {
+    "tiny": lambda x: x @ jnp.full((8, 3), 1e-8),
+    "huge": lambda x: (x * 1e-3) @ jnp.full((8, 3), 1e5),
+    "closed_over": lambda x: x @ np.linspace(1e5, 2e5, 24, dtype=np.float32).reshape(8, 3),
+    "conv_tiny": lambda x: lax.conv_general_dilated(
+        x[None, None], jnp.full((1, 1, 3, 3), 1e-8), (1, 1), "SAME"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(_PRODUCT_CONSTANTS))
+def test_a_product_of_a_constant_the_low_dtype_cannot_hold_runs_as_written(low, name):
+    # Cast to float16, 1e-8 is 0 and 1e5 saturates to 65504: the product would be 0,
+    # or finite and wrong, and a loss scaler would see nothing to skip.
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    f = _PRODUCT_CONSTANTS[name]
+    got, want = jax.jit(mpjax.autocast(f, dtype=low))(x), f(x)
+    assert np.all(np.isfinite(want)) and np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, rtol=4 * rel_tol(low))
+
+
+def test_a_constant_weight_with_some_tiny_elements_stays_a_16_bit_product(low):
+    # A constant's scale decides, not its smallest element: a frozen weight closed
+    # over by the loss has elements below float16's normal range, as a trained
+    # parameter does, and its product runs in 16 bits as the parameter's would.
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    w = 0.3 * np.random.default_rng(0).standard_normal((8, 3)).astype(np.float32)
+    w[0, 0], w[1, 1] = 1e-9, 0.0
+    jaxpr = jax.make_jaxpr(mpjax.autocast(lambda x: x @ w, dtype=low))(x)
+    assert _dot_operand_dtypes(jaxpr) == [(low, low)]
+
+
 def test_a_sum_started_from_float32_zeros_runs_in_float32(low):
     # acc = jnp.zeros(...), then acc + x @ w in a Python loop: the zeros are float32,
     # so the sum is, as in torch (and as a lax.fori_loop's float32 carry is).
