@@ -365,10 +365,11 @@ def test_the_scalers_halves_add_up_to_the_scalers_kernels_per_leaf():
     assert per_leaf["scaler"] == per_leaf["check"] + per_leaf["selection"]
 
 
-def test_scaler_benchmark_times_the_finite_check_by_leaf_size(capsys):
+def test_scaler_benchmark_times_the_finite_check_by_leaf_size(capsys, monkeypatch):
     from benchmarks import scaler
     from mpjax import _finite
 
+    monkeypatch.setattr(scaler, "_CHECK_SIZES", 2)  # each compiles 2 sizes, not 8
     large = _finite.LARGE
     scaler.main(["--leaves", "--params", "--check", str(large - 1), str(large), "--repeats", "2"])
     out = capsys.readouterr().out
