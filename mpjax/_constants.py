@@ -143,24 +143,18 @@ def _holds(values, dtype) -> bool:
 
 
 def scales_fit(scope, vals, low) -> bool:
-    """Whether each constant operand of a 16-bit product keeps its scale in `low`:
-    its largest magnitude a normal number there (or 0). Beyond that range the cast
-    saturates the constant, and the product is finite and wrong (``h @ jnp.full(s,
-    1e5)`` in float16); below it, the constant becomes zeros and subnormals (``x @
-    jnp.full(s, 1e-8)`` is 0). Smaller elements beside the largest lose precision
-    as a weight's do, and unknown values are taken to fit."""
-    if low is None:
-        return True
-    info = jnp.finfo(low)
+    """Whether each constant operand of a product in `low`, a 16-bit dtype, keeps its
+    scale there: its largest magnitude a normal number (or 0). Beyond that range the
+    cast saturates the constant, and the product is finite and wrong (``h @
+    jnp.full(s, 1e5)`` in float16); below it, the constant becomes zeros and
+    subnormals (``x @ jnp.full(s, 1e-8)`` is 0). Smaller elements beside the largest
+    lose precision as a weight's do, and unknown values are taken to fit."""
     for x in vals:
-        if not policy.is_castable(dtype_of(x)):
-            continue
-        known = values(scope, x)
+        known = values(scope, x) if policy.is_castable(dtype_of(x)) else None
         if known is None:
             continue
         magnitude = np.abs(np.asarray(known, np.float64))
-        largest = np.max(magnitude[np.isfinite(magnitude)], initial=0.0)
-        if largest and not float(info.smallest_normal) <= largest <= float(info.max):
+        if not _holds(np.max(magnitude[np.isfinite(magnitude)], initial=0.0), low):
             return False
     return True
 

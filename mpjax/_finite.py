@@ -32,11 +32,6 @@ def inexact(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def nonfinite(x) -> jax.Array:
-    """Whether `x` holds an inf or a NaN, as a bool scalar."""
-    return nonfinite_sum(x) != 0
-
-
 def nonfinite_sum(x, axis=None) -> jax.Array:
     """A float32 sum over `axis` (all by default) that is 0 where every value summed
     is finite, and not 0 (NaN, or a count eagerly) where one is not.
