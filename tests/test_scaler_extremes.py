@@ -81,7 +81,7 @@ def test_compiled_update_grows_linearly_with_large_leaves_too(scaler, most):
 def test_the_check_of_a_large_leaf_is_one_kernel(dtype):
     # The leaves of a model come in many shapes, and XLA compiles a kernel for each
     # shape: a pass writing the leaf's flags and a reduction of them was two per
-    # shape, the pass alone about 10x the reduction's compile time on XLA:CPU.
+    # shape, and the pass costs XLA:CPU more compile time than the reduction.
     def kernels(n):
         leaves = [jnp.ones((_finite.LARGE + i,), dtype) for i in range(n)]
         return compiled_kernels(lambda xs: _finite.leaf_flags(xs)[0::2], leaves)
