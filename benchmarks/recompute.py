@@ -8,11 +8,11 @@ finds that work in the program of a whole gradient, forward and backward, from o
 abstract trace (nothing runs).
 
 How: the program traced is ``vjp(fun, *args)[1](ct)`` with the output cotangent
-``ct`` an argument. An equation whose inputs do not depend on ``ct`` is forward
-work; one that does is backward work. JAX's partial evaluation hoists the forward
-copy of a remat region into the forward pass and leaves, in the backward pass, a
-remat equation (``checkpoint``, ``remat2`` as JAX names it) that takes cotangents.
-Inside its body, the equations that do not depend on a cotangent are the forward
+``ct`` made from an argument. An equation whose inputs do not depend on ``ct`` is
+forward work; one that does is backward work. JAX's partial evaluation hoists the
+forward copy of a remat region into the forward pass and leaves, in the backward
+pass, a remat equation (``checkpoint``, ``remat2`` as JAX names it) that takes
+cotangents. Inside its body, the equations that do not depend on a cotangent are the forward
 computation done again (with the coefficients of its derivative, which without
 remat the forward pass would have computed and kept): they are the recomputation.
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 
 import jax
+import jax.numpy as jnp
 
 from benchmarks.memory import var_nbytes
 from mpjax import _compat
@@ -180,16 +181,17 @@ def recompute_report(fun, *args) -> dict:
     those it hands to the rest of the backward pass, each once: what it reads and
     writes if it runs as one fused kernel.
     """
-    out_shape = jax.eval_shape(fun, *args)
 
-    def gradient(args, ct):
-        _, vjp = jax.vjp(fun, *args)
-        return vjp(ct)
+    def gradient(args, seed):
+        out, vjp = jax.vjp(fun, *args)
+        # The cotangent is made from an argument inside the trace (a scalar loss's
+        # is the argument itself): one trace, where an output shape asked of
+        # `jax.eval_shape` first would be two.
+        return vjp(jax.tree.map(lambda o: jnp.broadcast_to(seed.astype(o.dtype), o.shape), out))
 
-    closed = jax.make_jaxpr(gradient)(args, out_shape)
+    closed = jax.make_jaxpr(gradient)(args, jax.ShapeDtypeStruct((), jnp.float32))
     jaxpr, _ = _compat.jaxpr_and_consts(closed)
-    n_ct = len(jax.tree.leaves(out_shape))
-    tainted = [False] * (len(jaxpr.invars) - n_ct) + [True] * n_ct
+    tainted = [False] * (len(jaxpr.invars) - 1) + [True]  # the seed
     tally = _Tally()
     _walk(jaxpr, tainted, False, 1, tally)
     tally.read(jaxpr.outvars, 1)

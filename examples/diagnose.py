@@ -67,7 +67,7 @@ def overflow_case(key):
     readings = 101325.0 + 1000.0 * jax.random.normal(k_x, (64, 32))
     targets = jax.random.normal(k_y, (64,))
     model = Regressor()
-    params = model.init(k_init, readings)
+    params = jax.jit(model.init)(k_init, readings)  # one compile, not one per operation
 
     def loss_fn(params, readings, targets):
         return jnp.mean((model.apply(params, readings) - targets) ** 2)
@@ -81,7 +81,7 @@ def underflow_case(key, weight: float):
     x = jax.random.normal(k_x, (64, 20))
     labels = jax.random.randint(k_y, (64,), 0, 10)
     model = Classifier()
-    params = model.init(k_init, x)
+    params = jax.jit(model.init)(k_init, x)
 
     def loss_fn(params, x, labels):
         logits = model.apply(params, x)

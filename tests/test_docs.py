@@ -96,25 +96,15 @@ def restore_jax_config():
 
 
 @pytest.mark.parametrize("path", SNIPPETS, ids=[p.name for p in SNIPPETS])
-def test_snippet_runs(path, restore_jax_config, monkeypatch, tmp_path):
+def test_snippet_runs(path, restore_jax_config, monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [str(path)])
     runpy.run_path(str(path), run_name="__main__")
-
-
-@pytest.mark.parametrize("name", sorted(MULTI_DEVICE))
-def test_snippet_runs_on_eight_devices(name, tmp_path):
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    result = subprocess.run(
-        [sys.executable, str(DOCS / "snippets" / name)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_env(XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu"),
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "8 devices" in result.stdout
+    if path.name in MULTI_DEVICE:
+        # The suite runs on eight simulated CPU devices (conftest.py): these
+        # snippets split their batch over all of them.
+        assert jax.device_count() == 8
+        assert "8 devices" in capsys.readouterr().out
 
 
 def test_every_snippet_is_shown_and_every_include_exists():
