@@ -92,7 +92,7 @@ def _accumulate(inner, config: ScalerConfig, grads, state, params, extra):
     # into a NaN that poisons every later effective batch.
     accumulator = _zeros_where(last_micro_step, total)
     return new_updates, new_state._replace(
-        micro_step=jnp.where(last_micro_step, 0, micro_step).astype(jnp.int32),
+        micro_step=_select(last_micro_step, jnp.int32(0), micro_step.astype(jnp.int32)),
         grad_accumulator=accumulator,
     )
 
@@ -152,7 +152,7 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
     # let float16 gradients underflow for thousands of steps of growth.
     fresh = state.growth_tracker == DISABLED
     state = state._replace(
-        scale=jnp.where(fresh, jnp.float32(config.init_scale), state.scale),
+        scale=_select(fresh, jnp.float32(config.init_scale), state.scale),
         growth_tracker=jnp.maximum(state.growth_tracker, 0),
     )
     traced = _skip.trace_update(inner, grads, state.inner_state, params, extra)
@@ -195,8 +195,8 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
             # on (adam's eps underflowing in float16 parameters would skip every
             # step while the scale kept growing): scale and tracker hold.
             held = bad_updates & ~nonfinite
-            scale = jnp.where(held, state.scale, scale)
-            tracker = jnp.where(held, state.growth_tracker, tracker)
+            scale = _select(held, state.scale, scale)
+            tracker = _select(held, state.growth_tracker, tracker)
     else:
         scale, tracker = state.scale, state.growth_tracker
     return updates, state._replace(
@@ -317,21 +317,21 @@ def _next_scale(
     multiplied by ``growth_factor`` (unless that overflows float32: growth
     refused) and the tracker resets. Products are computed as torch computes
     them, in double precision rounded to float32, bit for bit, without float64
-    (see ``_mul_f32_by_f64``). Everything is ``jnp.where``: no host sync, jit-safe.
+    (see ``_mul_f32_by_f64``). Everything is a selection: no host sync, jit-safe.
     """
     # A NaN or inf scale (only a corrupted checkpoint makes one) restarts from
     # the floor instead of skipping, or zeroing, every later step.
-    scale = jnp.where(jnp.isfinite(scale), scale, jnp.float32(min_scale))
+    scale = _select(jnp.isfinite(scale), scale, jnp.float32(min_scale))
     successful = tracker + 1
     # torch's test is equality; at or past it is the same there (its checkpoints
     # carry the interval), and it also grows a tracker resumed past a smaller one.
     grow = successful >= growth_interval
     grown = _mul_f32_by_f64(scale, growth_factor)
-    grown = jnp.where(jnp.isfinite(grown), grown, scale)  # growth refused at the top
+    grown = _select(jnp.isfinite(grown), grown, scale)  # growth refused at the top
     backed_off = jnp.maximum(_mul_f32_by_f64(scale, backoff_factor), jnp.float32(min_scale))
-    new_scale = jnp.where(nonfinite, backed_off, jnp.where(grow, grown, scale))
+    new_scale = _select(nonfinite, backed_off, _select(grow, grown, scale))
     # The tracker resets on growth even when growth was refused, as torch's does.
-    new_tracker = jnp.where(nonfinite | grow, 0, successful).astype(jnp.int32)
+    new_tracker = _select(nonfinite | grow, jnp.int32(0), successful.astype(jnp.int32))
     return new_scale.astype(jnp.float32), new_tracker
 
 
