@@ -12,9 +12,10 @@ How: the program traced is ``vjp(fun, *args)[1](ct)`` with the output cotangent
 forward work; one that does is backward work. JAX's partial evaluation hoists the
 forward copy of a remat region into the forward pass and leaves, in the backward
 pass, a remat equation (``checkpoint``, ``remat2`` as JAX names it) that takes
-cotangents. Inside its body, the equations that do not depend on a cotangent are the forward
-computation done again (with the coefficients of its derivative, which without
-remat the forward pass would have computed and kept): they are the recomputation.
+cotangents. Inside its body, the equations that do not depend on a cotangent are the
+forward computation done again (with the coefficients of its derivative, which
+without remat the forward pass would have computed and kept): they are the
+recomputation.
 
 Limits: it counts equations, not kernels. The bytes are those each recomputed
 equation reads and writes (its operands and results, literals aside), the traffic
