@@ -576,3 +576,21 @@ def test_a_bad_flag_is_a_usage_error_naming_it(module, argv, capsys, monkeypatch
     with pytest.raises(SystemExit) as exit_:
         importlib.import_module(module).main(argv)
     assert exit_.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_diagnose_time_compares_mpjaxs_compile_options_with_xlas_defaults(monkeypatch, capsys):
+    diagnose_time = importlib.import_module("benchmarks.diagnose_time")
+    from mpjax import _compat
+
+    # What each timed call compiles its equations with, instead of a real first call
+    # (seconds of compiling, with the suite's caches cleared).
+    seen = []
+    monkeypatch.setattr(diagnose_time, "clear_caches", lambda: seen.append("cleared"))
+    monkeypatch.setattr(
+        diagnose_time.mpjax, "diagnose", lambda *args: seen.append(_compat.fast_compile_options())
+    )
+    out = diagnose_time.main(["--size", "smoke", "--family", "resnet", "--repeats", "2"])
+    fast = _compat.fast_compile_options()
+    assert fast and seen == ["cleared", fast, "cleared", {}, "cleared", {}, "cleared", fast]
+    assert out["fast_s"] > 0 and out["ratio"] == pytest.approx(out["fast_s"] / out["default_s"])
+    assert "| `fast_compile_options` (mpjax) |" in capsys.readouterr().out

@@ -569,3 +569,29 @@ def test_the_16_bit_values_inside_a_scan_are_measured():
     got, want = mpjax.diagnose(scanned, ws, x).runs[0], mpjax.diagnose(unrolled, ws, x).runs[0]
     assert got.max_gradient == want.max_gradient > 0
     assert got.recommended_scale == want.recommended_scale is not None
+
+
+def test_equations_compile_with_options_that_keep_their_values_within_a_few_ulps():
+    """A first call is mostly XLA compiling the step's equations one by one: on the CPU
+    they compile with `fast_compile_options`, which this jaxlib accepts and which give
+    the values of XLA's optimizing build within a few units in the last place."""
+    from mpjax import _compat
+
+    options = _compat.fast_compile_options()
+    assert options["xla_backend_optimization_level"] == 0  # the suite runs on the CPU
+    optimizing = {"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False}
+    if "xla_cpu_use_fusion_emitters" in options:  # jaxlib 0.10: its default emitters
+        optimizing["xla_cpu_use_fusion_emitters"] = True
+    x = 3 * jax.random.normal(jax.random.key(0), (64, 256))
+    w = jax.random.normal(jax.random.key(1), (256, 32))
+    # one primitive each, as the walk compiles them (abs is exact)
+    unary = [jnp.tanh, jnp.exp, jnp.log1p, lax.rsqrt, lax.logistic, jnp.cumsum, lax.erf]
+    unary += [jnp.sin, lambda a: jnp.abs(a) ** 1.7, lambda a: jnp.max(a, 0)]
+    cases = [(f, jnp.float32) for f in unary] + [(lax.dot, jnp.float16), (lax.dot, jnp.bfloat16)]
+    for fun, dtype in cases:  # 16-bit elementwise values are float32 ones, rounded
+        args = [x.astype(dtype), w.astype(dtype)][: 2 if fun is lax.dot else 1]
+        fast = jax.jit(fun, compiler_options=options)(*args)
+        full = jax.jit(fun, compiler_options=optimizing)(*args)
+        assert fast.dtype == full.dtype == dtype
+        tol = 4 * jnp.finfo(dtype).eps
+        np.testing.assert_allclose(fast.astype(float), full.astype(float), rtol=tol, atol=1e-30)
