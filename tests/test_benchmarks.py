@@ -589,7 +589,7 @@ def test_diagnose_time_compares_mpjaxs_compile_options_with_xlas_defaults(monkey
     monkeypatch.setattr(
         diagnose_time.mpjax, "diagnose", lambda *args: seen.append(_compat.fast_compile_options())
     )
-    out = diagnose_time.main(["--size", "smoke", "--family", "resnet", "--repeats", "2"])
+    out = diagnose_time.main(["--size", "smoke", "--family", "gpt", "--repeats", "2"])
     fast = _compat.fast_compile_options()
     assert fast and seen == ["cleared", fast, "cleared", {}, "cleared", {}, "cleared", fast]
     assert out["fast_s"] > 0 and out["ratio"] == pytest.approx(out["fast_s"] / out["default_s"])

@@ -585,8 +585,8 @@ def test_equations_compile_with_options_that_keep_their_values_within_a_few_ulps
     x = 3 * jax.random.normal(jax.random.key(0), (64, 256))
     w = jax.random.normal(jax.random.key(1), (256, 32))
     # one primitive each, as the walk compiles them (abs is exact)
-    unary = [jnp.tanh, jnp.exp, jnp.log1p, lax.rsqrt, lax.logistic, jnp.cumsum, lax.erf]
-    unary += [jnp.sin, lambda a: jnp.abs(a) ** 1.7, lambda a: jnp.max(a, 0)]
+    unary = [jnp.tanh, jnp.exp, jnp.log1p, lax.rsqrt, lax.logistic, lax.erf]
+    unary += [lambda a: jnp.abs(a) ** 1.7]
     cases = [(f, jnp.float32) for f in unary] + [(lax.dot, jnp.float16), (lax.dot, jnp.bfloat16)]
     for fun, dtype in cases:  # 16-bit elementwise values are float32 ones, rounded
         args = [x.astype(dtype), w.astype(dtype)][: 2 if fun is lax.dot else 1]
