@@ -24,13 +24,13 @@ import mpjax
 from benchmarks.models import SIZES
 from benchmarks.timing import at_least_one, interleaved
 from benchmarks.variants import VARIANTS, value_fn
-from mpjax import _compat, _diagnose_walk
+from mpjax import _compat
 
 
 def clear_caches() -> None:
-    """JAX's caches and mpjax's compiled equations: the next call compiles anew."""
+    """JAX's caches and mpjax's jitted equations: the next call compiles anew."""
     jax.clear_caches()
-    _diagnose_walk._jit_of.cache_clear()
+    _compat._jit_of_bind.cache_clear()
 
 
 def first_call(spec, options: dict | None) -> dict[str, float]:

@@ -31,7 +31,7 @@ def bind(eqn, *args, **param_updates):
     """Re-binds `eqn`'s primitive on new arguments; always returns a list."""
     params = {**eqn.params, **param_updates}
     if any(_transformed(x) for x in args):
-        out = _bound(eqn, params)(*args)
+        out = bound(eqn, params)(*args)
     else:
         out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(params))
     return list(out) if eqn.primitive.multiple_results else [out]
@@ -90,11 +90,11 @@ def _transformed(x) -> bool:
     return isinstance(x, jax.core.Tracer) and type(x).__name__ != "DynamicJaxprTracer"
 
 
-def _bound(eqn, params):
-    """``primitive.bind(*args, **params)`` as a function of `args`, for a bind a
-    transformation sees: an inlined jit of it where the params can be a cache key.
-    `grad` linearizes a bare bind at every equation, a jit's once per input types
-    (a model's repeated layers once, as `jnp`'s functions); jit alone binds bare."""
+def bound(eqn, params, jit=None):
+    """``primitive.bind(*args, **params)`` as a function of `args`: a jit of it, made
+    by `jit` (default `inline_jit`: for a bind a transformation sees) and cached where
+    the params can be a key. `grad` linearizes a bare bind at every equation, a jit's
+    once per input types (a model's repeated layers once, as `jnp`'s functions)."""
     primitive = eqn.primitive
     try:
         key = tuple(sorted(params.items()))
@@ -104,13 +104,13 @@ def _bound(eqn, params):
     if key is None or eqn.effects or sub_jaxprs(params):
         bind_params = primitive.get_bind_params(params)
         return lambda *args: primitive.bind(*args, **bind_params)
-    return _inline_jit_of_bind(primitive, key)
+    return _jit_of_bind(primitive, key, jit or inline_jit)
 
 
 @functools.lru_cache(maxsize=4096)
-def _inline_jit_of_bind(primitive, params_key):
+def _jit_of_bind(primitive, params_key, jit):
     bind_params = primitive.get_bind_params(dict(params_key))
-    return inline_jit(lambda *args: primitive.bind(*args, **bind_params))
+    return jit(lambda *args: primitive.bind(*args, **bind_params))
 
 
 def inline_jit(fun):

@@ -16,7 +16,6 @@ inside.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import re
@@ -167,37 +166,16 @@ def where(eqn) -> Where:
     return Where("", 0, "", library)
 
 
-class _Key:
-    """An equation, equal to those that bind the same primitive with the same params."""
-
-    def __init__(self, eqn, params):
-        self.eqn, self.key = eqn, (eqn.primitive, params)
-
-    def __hash__(self):
-        return hash(self.key)
-
-    def __eq__(self, other):
-        return self.key == other.key
+def _evaluate(eqn, vals) -> list:
+    """`eqn` on concrete `vals`, each distinct equation jitted once (as eager evaluation
+    jits each) but with `_compat.fast_compile_options`: a first `diagnose` call is
+    mostly compiling its equations."""
+    out = _compat.bound(eqn, eqn.params, _fast_jit)(*vals)
+    return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _compiled(eqn):
-    """`eqn`'s bind as a function of concrete arguments, jitted as eager evaluation
-    jits each primitive, but with `_compat.fast_compile_options`: a first `diagnose`
-    call is mostly compiling its equations. Plain `bind` for an equation with
-    effects, sub-jaxprs or params that cannot key a cache."""
-    if eqn.effects or _compat.sub_jaxprs(eqn.params):
-        return functools.partial(_compat.bind, eqn)
-    try:
-        return _jit_of(_Key(eqn, tuple(sorted(eqn.params.items()))))
-    except TypeError:  # an unhashable param
-        return functools.partial(_compat.bind, eqn)
-
-
-@functools.lru_cache(maxsize=4096)
-def _jit_of(key: _Key):
-    return jax.jit(
-        functools.partial(_compat.bind, key.eqn), compiler_options=_compat.fast_compile_options()
-    )
+def _fast_jit(fun):
+    return jax.jit(fun, compiler_options=_compat.fast_compile_options())
 
 
 class Event(NamedTuple):
@@ -271,7 +249,7 @@ class Walk:
             done = self._eval(eqn, vals, stack, back, inside, in_seeded)
             if done is None:  # not recursed into: a unit of its own
                 with _compat.equation_context(eqn):
-                    outs = _compiled(eqn)(*vals)
+                    outs = _evaluate(eqn, vals)
                 out_seeded = [any(in_seeded)] * len(outs)
                 out_stats = tuple(stats(o) for o in outs)
                 floats = tuple(s for s in out_stats if s is not None)
