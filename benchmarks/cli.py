@@ -156,14 +156,15 @@ def cpu_benchmarks(mode: str, log=print) -> dict:
     return results
 
 
-def gpu_jobs(families, names) -> list[tuple[str, str, str | None]]:
+def gpu_jobs(families, names, highest: bool = True) -> list[tuple[str, str, str | None]]:
     """(family, variant, matmul precision) per GPU worker. Where float32 is among
-    `names`, it also runs at 'highest' precision, last: by default XLA runs float32
-    matmuls on TF32 tensor cores, so 'float32' is TF32 unless said otherwise."""
+    `names`, it also runs at 'highest' precision, last, unless `highest` is False: by
+    default XLA runs float32 matmuls on TF32 tensor cores, so 'float32' is TF32 unless
+    said otherwise."""
     jobs = []
     for family in families:
         jobs += [(family, n, None) for n in names]
-        if "float32" in names:
+        if highest and "float32" in names:
             jobs.append((family, "float32", "highest"))
     return jobs
 
@@ -191,6 +192,11 @@ def main(argv: list[str] | None = None) -> dict:
         choices=list(VARIANTS),
         help="variants for --gpu, in this order",
     )
+    parser.add_argument(
+        "--no-highest",
+        action="store_true",
+        help="--gpu float32 at XLA's default precision only (TF32 on NVIDIA GPUs)",
+    )
     parser.add_argument("--deadline", type=float, default=540, help="seconds for all --gpu workers")
     parser.add_argument("--json", metavar="PATH", help="write all results here")
     args = parser.parse_args(argv)
@@ -205,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.gpu:
         gpu_size = {"full": "gpu"}.get(mode, mode)
         out["gpu"] = gpu.run_all(
-            gpu_jobs(args.families, args.variants),
+            gpu_jobs(args.families, args.variants, highest=not args.no_highest),
             gpu_size,
             windows=3,
             steps=10 if mode == "full" else 2,

@@ -240,6 +240,7 @@ def test_gpu_jobs_add_true_float32_only_where_float32_is_asked_for():
         ("gpt", "autocast-bf16", None),
         ("resnet", "autocast-bf16", None),
     ]
+    assert gpu_jobs(["gpt"], ["float32"], highest=False) == [("gpt", "float32", None)]
 
 
 def test_scaler_benchmark_runs_and_reports_ratios(capsys):
