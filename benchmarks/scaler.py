@@ -36,7 +36,7 @@ with `grad_scaler(adamw)` against plain adamw: the compile a user waits for.
 
 With ``--check``, the finite check of one float32 leaf of each size alone, by
 a reduction over booleans, by a max over bytes, and by `mpjax._finite.nonfinite_sum`'s
-sum of ``x - x`` (the check of a leaf of `mpjax._finite.LARGE` elements or more;
+sum of ``x - x`` (the check of a leaf of `mpjax._finite.large_leaf()` elements or more;
 smaller leaves are stacked by size and checked the same way), against an
 elementwise pass over the same leaf (``x + 1``): run time on one leaf, and compile
 time on leaves of 8 sizes, each a kernel of its own.
@@ -258,7 +258,7 @@ def check_ratios(size: int, repeats: int = 15) -> dict:
         "pass_compile_s": base_compile,
         **{name: med[name]["step"] / base for name in list(_CHECKS)[1:]},
         **{f"{name} compile": built[name]["total"] / base_compile for name in list(_CHECKS)[1:]},
-        "used": "sum of x - x" if size >= _finite.LARGE else "stacked by size, sum of x - x",
+        "used": "sum of x - x" if size >= _finite.large_leaf() else "stacked by size, sum of x - x",
     }
 
 

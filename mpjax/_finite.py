@@ -23,6 +23,15 @@ from mpjax import _compat
 LARGE = 2**14
 """Leaves of this many elements or more are checked each by a reduction of its own."""
 
+LARGE_GPU = 2**21
+"""`LARGE` on a GPU. There a leaf's reduction is a kernel launched on every step,
+and XLA fuses a stack into the reduction that reads it, so that stacking copies
+nothing: on an H200 the update of 10 leaves of 100,000 elements costs 1.24x bare
+adam's with them stacked, 1.36x with a reduction each (docs/benchmarks.md)."""
+
+_STACK_ELEMENTS = 2**24
+"""At most this many elements are stacked together, should XLA copy the stack."""
+
 _STACK = 256
 """At most this many small leaves are stacked into one reduction."""
 
@@ -69,12 +78,14 @@ def leaf_flags(leaves: Sequence) -> tuple[jax.Array, list[int], jax.Array]:
         return jnp.zeros([0], jnp.bool_), [], jnp.array(False)
     small = collections.defaultdict(list)
     large = []
+    threshold = large_leaf()
     for i, x in enumerate(leaves):
-        (large if jnp.size(x) >= LARGE else small[_stack_key(x)]).append(i)
+        (large if jnp.size(x) >= threshold else small[_stack_key(x)]).append(i)
     parts, order = [], []
     for idx in small.values():
-        for start in range(0, len(idx), _STACK):
-            chunk = idx[start : start + _STACK]
+        step = max(1, min(_STACK, _STACK_ELEMENTS // max(1, jnp.size(leaves[idx[0]]))))
+        for start in range(0, len(idx), step):
+            chunk = idx[start : start + step]
             # The values are stacked, not their sums: XLA then checks them in one
             # kernel, where it makes a kernel for each small leaf.
             rows = jnp.stack([leaves[i] for i in chunk])
@@ -93,6 +104,12 @@ def leaf_flags(leaves: Sequence) -> tuple[jax.Array, list[int], jax.Array]:
     # quadratic in the number of leaves. A float32 max of the flags it leaves a
     # reduction.
     return flags, order, jnp.max(flags.astype(jnp.float32)) > 0
+
+
+def large_leaf(platform: str | None = None) -> int:
+    """Leaves of this many elements or more are not stacked on `platform` (the
+    default backend's by default, which runs the program being traced)."""
+    return LARGE_GPU if (platform or jax.default_backend()) == "gpu" else LARGE
 
 
 def _stack_key(x) -> tuple:

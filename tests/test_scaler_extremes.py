@@ -208,12 +208,43 @@ def test_accumulated_gradients_near_the_float32_maximum_do_not_overflow():
     np.testing.assert_array_equal(np.asarray(updates["w"]), [-(2.0**126), 2.0**125])
 
 
-@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
-def test_one_bad_element_of_any_leaf_size_skips_the_step(bad):
+def _reductions(leaves) -> int:
+    fresh = lambda xs: _finite.leaf_flags(xs)  # no trace cached under another platform
+    return str(jax.make_jaxpr(fresh)(leaves)).count("reduce_sum")
+
+
+@pytest.mark.parametrize("platform, stacked", [("cpu", False), ("gpu", True)])
+def test_leaves_are_stacked_up_to_the_platforms_size(monkeypatch, platform, stacked):
+    # On a GPU each reduction is a kernel launched every step, and XLA reads a stack
+    # in the reduction itself: leaves up to LARGE_GPU elements are checked stacked.
+    monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    mid = [jax.ShapeDtypeStruct((100_000,), jnp.float32)] * 10
+    assert _reductions(mid) == (1 if stacked else 10)
+    big = [jax.ShapeDtypeStruct((_finite.LARGE_GPU,), jnp.float32)] * 3
+    assert _reductions(big) == 3
+
+
+def test_a_stack_holds_at_most_its_elements_and_each_leaf_keeps_its_flag(monkeypatch):
+    # A stack XLA did not fuse into its reduction is a copy: its size is bounded.
+    monkeypatch.setattr(_finite, "_STACK_ELEMENTS", 4 * 100)
+    leaves = [jnp.ones((100,)) for _ in range(10)]
+    assert _reductions(leaves) == 3  # 4 + 4 + 2
+    for i in range(10):
+        bad = [x.at[99].set(np.nan) if j == i else x for j, x in enumerate(leaves)]
+        flags, order, any_bad = jax.jit(_finite.leaf_flags)(bad)
+        assert bool(any_bad) and [int(order[k]) for k in np.flatnonzero(flags)] == [i]
+
+
+@pytest.mark.parametrize(
+    "platform, bad", [("cpu", np.inf), ("cpu", -np.inf), ("cpu", np.nan), ("gpu", np.nan)]
+)
+def test_one_bad_element_of_any_leaf_size_skips_the_step(monkeypatch, platform, bad):
     # Large leaves are checked each by a reduction of their own, small ones stacked
     # by size: a single bad element, first or last, must skip the step on either
     # side of that size, in a leaf that is a subtree of its own and in a block.
-    large = _finite.LARGE
+    monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    monkeypatch.setattr(_finite, "LARGE_GPU", 4 * _finite.LARGE)  # the same logic, smaller
+    large = _finite.large_leaf()
     params = {
         "small": jnp.ones((3,)),
         "below": jnp.ones((large - 1,)),
