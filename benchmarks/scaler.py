@@ -3,7 +3,8 @@
     PYTHONPATH=. python -m benchmarks.scaler [--leaves 10 100 1000 10000] [--params 1e6 1e8]
         [--donate]
         [--scalers grad_scaler ...] [--parts] [--compile-models gpt vit resnet]
-        [--compile-steps gpt resnet] [--models gpt resnet] [--check 1e4 1e5 1e6 1e7]
+        [--compile-steps gpt resnet] [--models gpt resnet] [--model-size gpu]
+        [--check 1e4 1e5 1e6 1e7]
         [--repeats 15] [--compile-repeats 3]
 
 Two ratios over bare `optax.adam(1e-3)`, each for `grad_scaler(optax.adam(1e-3))` with
@@ -43,7 +44,8 @@ time on leaves of 8 sizes, each a kernel of its own.
 
 With ``--models``, also the whole jitted training step of each benchmark model
 (autocast float16 loss, `grad_scaler(adamw)` against plain adamw) at the size the
-full benchmark times: `benchmarks.timing.scaler_overhead`, 15 repeats of 10 steps.
+full benchmark times, or at ``--model-size``: `benchmarks.timing.scaler_overhead`,
+15 repeats of 10 steps.
 """
 
 from __future__ import annotations
@@ -279,6 +281,12 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--models", nargs="*", default=[], choices=sorted(SIZES["runtime"]))
     parser.add_argument(
+        "--model-size",
+        default="runtime",
+        choices=sorted(SIZES),
+        help="the size of the --models (runtime: the full benchmark's; gpu: the --gpu one's)",
+    )
+    parser.add_argument(
         "--compile-models",
         nargs="*",
         default=[],
@@ -359,7 +367,7 @@ def main(argv=None) -> None:
         print("| model | step ms adamw | step ms grad_scaler(adamw) | ratio |")
         print("|---|---|---|---|")
     for family in args.models:
-        spec = SIZES["runtime"][family]
+        spec = SIZES[args.model_size][family]
         r = timing.scaler_overhead(spec, "autocast-f16", repeats=args.repeats, steps=10)
         print(
             f"| {family} {spec.describe()} | {1e3 * r['plain_s']:.2f} "

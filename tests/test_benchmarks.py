@@ -381,12 +381,14 @@ def test_scaler_benchmark_times_the_finite_check_by_leaf_size(capsys, monkeypatc
     assert all(float(row[i]) > 0 for row in rows for i in range(2, 10))
 
 
-def test_scaler_benchmark_times_a_models_training_step(monkeypatch, capsys):
+def test_scaler_benchmark_times_a_models_training_step(capsys):
     from benchmarks import models, scaler
 
-    monkeypatch.setitem(scaler.SIZES, "runtime", models.SIZES["smoke"])
-    scaler.main(["--leaves", "--params", "--models", "resnet", "--repeats", "2"])
-    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| resnet")]
+    args = ["--leaves", "--params", "--models", "resnet", "--model-size", "smoke"]
+    scaler.main([*args, "--repeats", "2"])
+    out = capsys.readouterr().out
+    assert models.SIZES["smoke"]["resnet"].describe() in out
+    (row,) = [line for line in out.splitlines() if line.startswith("| resnet")]
     plain, scaled, ratio = (float(c) for c in row.split("|")[2:5])
     assert plain > 0 and scaled > 0 and ratio == pytest.approx(scaled / plain, rel=0.05)
 
