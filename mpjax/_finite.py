@@ -106,10 +106,10 @@ def leaf_flags(leaves: Sequence) -> tuple[jax.Array, list[int], jax.Array]:
     return flags, order, jnp.max(flags.astype(jnp.float32)) > 0
 
 
-def large_leaf(platform: str | None = None) -> int:
-    """Leaves of this many elements or more are not stacked on `platform` (the
-    default backend's by default, which runs the program being traced)."""
-    return LARGE_GPU if (platform or jax.default_backend()) == "gpu" else LARGE
+def large_leaf() -> int:
+    """Leaves of this many elements or more are not stacked: `LARGE_GPU` where the
+    default backend, which runs the program being traced, is a GPU, else `LARGE`."""
+    return LARGE_GPU if jax.default_backend() == "gpu" else LARGE
 
 
 def _stack_key(x) -> tuple:
