@@ -21,7 +21,8 @@ import numpy as np
 from mpjax import _compat
 
 LARGE = 2**14
-"""Leaves of this many elements or more are checked each by a reduction of its own."""
+"""Leaves of this many elements or more are checked each by a reduction of its own,
+except on a GPU (`LARGE_GPU`; `large_leaf` says which applies)."""
 
 LARGE_GPU = 2**21
 """`LARGE` on a GPU. There a leaf's reduction is a kernel launched on every step,
