@@ -49,6 +49,7 @@ from benchmarks.cli import FAMILIES
 from benchmarks.models import SIZES
 from benchmarks.report import _table
 from benchmarks.variants import VARIANTS, step_specs, train_step
+from mpjax import _finite
 
 GiB = 2**30
 TARGETS = pathlib.Path(__file__).parent / "targets"
@@ -108,6 +109,22 @@ def _stderr_to(file):
         os.close(saved)
 
 
+@contextlib.contextmanager
+def _traced_for(dev):
+    """The step traced as on `dev`'s platform. The loss scaler's finite check stacks
+    leaves by the default backend's size (`mpjax._finite.large_leaf`), and here that
+    backend is the CPU, whatever the program is compiled for."""
+    if dev.platform != "gpu":
+        yield
+        return
+    cpu_sized = _finite.large_leaf
+    _finite.large_leaf = lambda: _finite.LARGE_GPU
+    try:
+        yield
+    finally:
+        _finite.large_leaf = cpu_sized
+
+
 def peak_bytes(analysis) -> int:
     """Arguments, temporaries and outputs not aliased to a donated argument."""
     return (
@@ -133,7 +150,8 @@ def step_memory(
         step_specs(spec, tx),
     )
     t0 = time.perf_counter()
-    compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(*args).compile()
+    with _traced_for(dev):
+        compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(*args).compile()
     analysis = compiled.memory_analysis()
     text = compiled.as_text()
     if hlo_dir is not None:

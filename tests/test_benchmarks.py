@@ -456,6 +456,18 @@ def test_gpu_memory_compiles_a_float16_step_without_the_scaler_when_told():
     assert 0 < scaled["argument_bytes"] - unscaled["argument_bytes"] < 1024, (scaled, unscaled)
 
 
+def test_gpu_memory_traces_the_finite_check_as_on_a_gpu():
+    # Compiled for a GPU from a CPU, the step's finite check must stack leaves as it
+    # does on the GPU, or the kernels counted are those of another program.
+    gpu_memory = importlib.import_module("benchmarks.gpu_memory")
+    _finite = importlib.import_module("mpjax._finite")
+    with gpu_memory._traced_for(types.SimpleNamespace(platform="gpu")):
+        assert _finite.large_leaf() == _finite.LARGE_GPU
+    with gpu_memory._traced_for(jax.devices()[0]):
+        assert _finite.large_leaf() == _finite.LARGE
+    assert _finite.large_leaf() == _finite.LARGE
+
+
 def test_gpu_memory_says_how_to_get_the_cuda_plugin(monkeypatch):
     gpu_memory = importlib.import_module("benchmarks.gpu_memory")
     topologies = importlib.import_module("jax.experimental.topologies")
