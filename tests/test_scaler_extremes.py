@@ -216,10 +216,12 @@ def _reductions(leaves) -> int:
 @pytest.mark.parametrize("platform, stacked", [("cpu", False), ("gpu", True)])
 def test_leaves_are_stacked_up_to_the_platforms_size(monkeypatch, platform, stacked):
     # On a GPU each reduction is a kernel launched every step, and XLA reads a stack
-    # in the reduction itself: leaves up to LARGE_GPU elements are checked stacked.
+    # in the reduction itself: every leaf that fits a stack is checked stacked.
     monkeypatch.setattr(jax, "default_backend", lambda: platform)
     mid = [jax.ShapeDtypeStruct((100_000,), jnp.float32)] * 10
     assert _reductions(mid) == (1 if stacked else 10)
+    layers = [jax.ShapeDtypeStruct((768, 3072), jnp.float32)] * 12  # a GPT's MLP weights
+    assert _reductions(layers) == (2 if stacked else 12)  # 7 + 5 in 2**24 elements
     big = [jax.ShapeDtypeStruct((_finite.LARGE_GPU,), jnp.float32)] * 3
     assert _reductions(big) == 3
 
