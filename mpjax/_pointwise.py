@@ -15,8 +15,6 @@ from mpjax import _compat, policy
 from mpjax._casting import F32, convert, dtype_of
 from mpjax.policy import Rule
 
-_CALLS = frozenset({"jit", "pjit"})
-
 
 def is_pointwise(eqn) -> bool:
     """Whether `eqn` is elementwise: a `policy.POINTWISE` primitive, or a nested jit
@@ -44,7 +42,7 @@ def primitives(eqns, members) -> int:
 
 def _body(eqn):
     """The jaxpr of a nested jit with equations, or None."""
-    if eqn.primitive.name not in _CALLS:
+    if eqn.primitive.name not in policy.JITS:
         return None
     body = _compat.jaxpr_and_consts(eqn.params["jaxpr"])[0]
     return body if body.eqns else None

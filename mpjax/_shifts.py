@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpjax import _compat
-
-_JITS = frozenset({"jit", "pjit"})
+from mpjax import _compat, policy
 
 # Primitives that carry a reduction's result to the operand's shape unchanged.
 _CARRIERS = frozenset({
@@ -80,7 +78,12 @@ def _same(made_by, a, b) -> bool:
     if a is b:
         return True
     ea, eb = made_by.get(a), made_by.get(b)
-    if ea is None or eb is None or ea.primitive.name not in _JITS or eb.primitive.name not in _JITS:
+    if (
+        ea is None
+        or eb is None
+        or ea.primitive.name not in policy.JITS
+        or eb.primitive.name not in policy.JITS
+    ):
         return False
     return (
         ea.params.get("name") == eb.params.get("name")

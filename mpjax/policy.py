@@ -331,7 +331,10 @@ def float32_only_consumers(jaxpr, outputs=frozenset(), elsewhere=lambda eqn: Fal
     return frozenset(v for v, rules in readers.items() if rules == {Rule.FLOAT32})
 
 
-_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat2"})
+JITS = frozenset({"jit", "pjit"})
+"""A nested jit's primitive, by its name on each supported jax."""
+
+_CALLS = JITS | frozenset({"closed_call", "core_call", "checkpoint", "remat2"})
 
 
 def _callee_readers(eqn) -> list | None:
