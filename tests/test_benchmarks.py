@@ -461,11 +461,12 @@ def test_gpu_memory_traces_the_finite_check_as_on_a_gpu():
     # does on the GPU, or the kernels counted are those of another program.
     gpu_memory = importlib.import_module("benchmarks.gpu_memory")
     _finite = importlib.import_module("mpjax._finite")
+    here = _finite.large_leaf()  # the default backend's: LARGE on a CPU
     with gpu_memory._traced_for(types.SimpleNamespace(platform="gpu")):
         assert _finite.large_leaf() == _finite.LARGE_GPU
-    with gpu_memory._traced_for(jax.devices()[0]):
-        assert _finite.large_leaf() == _finite.LARGE
-    assert _finite.large_leaf() == _finite.LARGE
+    with gpu_memory._traced_for(types.SimpleNamespace(platform="cpu")):
+        assert _finite.large_leaf() == here
+    assert _finite.large_leaf() == here
 
 
 def test_gpu_memory_says_how_to_get_the_cuda_plugin(monkeypatch):
