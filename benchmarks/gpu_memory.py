@@ -173,7 +173,8 @@ def _not_compiled(family: str, variant: str, dev, error: Exception) -> str:
     """What to tell of a step this XLA could not compile for `dev` (it goes on with
     the others). Without the device, XLA picks Triton's matrix kernels untuned, and
     some XLA versions find no tiling for one of them."""
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
     return (
         f"{family} {variant}: XLA (jax {jax.__version__}) could not compile this step for "
         f"{dev.device_kind}: {first}\n  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false "
