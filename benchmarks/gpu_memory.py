@@ -111,18 +111,18 @@ def _stderr_to(file):
 
 @contextlib.contextmanager
 def _traced_for(dev):
-    """The step traced as on `dev`'s platform. The loss scaler's finite check stacks
-    leaves by the default backend's size (`mpjax._finite.large_leaf`), and here that
-    backend is the CPU, whatever the program is compiled for."""
+    """The step traced as on `dev`'s platform. The loss scaler shapes its program
+    for the platform it runs on (`mpjax._finite.backend`): the default backend,
+    here the CPU, whatever the program is compiled for."""
     if dev.platform != "gpu":
         yield
         return
-    cpu_sized = _finite.large_leaf
-    _finite.large_leaf = lambda: _finite.LARGE_GPU
+    cpu = _finite.backend
+    _finite.backend = lambda: "gpu"
     try:
         yield
     finally:
-        _finite.large_leaf = cpu_sized
+        _finite.backend = cpu
 
 
 def peak_bytes(analysis) -> int:

@@ -12,7 +12,9 @@ the default check (the gradients, as torch), with ``check_updates=True`` (the up
 too), and for optax's own skip-on-non-finite wrapper, `optax.apply_if_finite`:
 
 * compile: trace, lower and compile ``jax.jit(tx.update)`` on a dict of n small
-  leaves (the median of interleaved repeats);
+  leaves (the median of interleaved repeats), and the kernels of each compiled
+  update (`benchmarks.kernel_traffic`), adam's first: compile time follows them,
+  and unlike a time they do not move from run to run;
 * step: run time of the compiled update on a tree of 10 leaves holding the given
   number of parameters in all (the median of interleaved repeats); with
   ``--donate``, each update donates its state and the next call takes the state it
@@ -58,7 +60,7 @@ import jax.numpy as jnp
 import optax
 
 import mpjax
-from benchmarks import timing
+from benchmarks import kernel_traffic, timing
 from benchmarks.models import SIZES
 from mpjax import _finite, _scaler_update, _skip
 
@@ -68,10 +70,13 @@ def _leaves(n: int, size: int) -> dict:
 
 
 def _compile_seconds(update, *args) -> dict[str, float]:
+    """Trace, lower and compile seconds of a fresh jit of `update`, and the number of
+    kernels in the compiled program."""
     fresh = lambda *a: update(*a)  # a new function: no cached trace or executable
     t0 = time.perf_counter()
-    jax.jit(fresh).lower(*args).compile()
-    return {"total": time.perf_counter() - t0}
+    compiled = jax.jit(fresh).lower(*args).compile()
+    total = time.perf_counter() - t0
+    return {"total": total, "kernels": kernel_traffic.kernel_bytes(compiled.as_text())["kernels"]}
 
 
 _SCALERS = {
@@ -91,6 +96,8 @@ def _ratios(med: dict, field: str, names) -> dict:
     out = {"adam_s": a}
     for name in names:
         out[f"{name}_s"], out[f"{name}_ratio"] = med[name][field], med[name][field] / a
+    if "kernels" in med["adam"]:
+        out["kernels"] = [int(med[name]["kernels"]) for name in ("adam", *names)]
     return out
 
 
@@ -313,19 +320,19 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
     if args.leaves:
-        print(_header("leaves", "adam compile (s)", args.scalers, "s"))
+        print(_header("leaves", "adam compile (s)", args.scalers, "s", kernels=True))
     for n in args.leaves:
         r = compile_ratio(n, repeats=_compile_repeats(args, n), names=tuple(args.scalers))
         print(f"| {n} | {_row(r, args.scalers, '.2f', 1)}", flush=True)
     if args.leaves and args.parts:
         print()
-        print(_header("leaves", "adam compile (s)", _PARTS, "s"))
+        print(_header("leaves", "adam compile (s)", _PARTS, "s", kernels=True))
     for n in args.leaves if args.parts else ():
         r = parts_ratio(n, repeats=_compile_repeats(args, n))
         print(f"| {n} | {_row(r, _PARTS, '.2f', 1)}", flush=True)
     if args.compile_models:
         print()
-        print(_header("model (leaves)", "adam compile (s)", args.scalers, "s"))
+        print(_header("model (leaves)", "adam compile (s)", args.scalers, "s", kernels=True))
     for family in args.compile_models:
         r = model_compile_ratio(family, repeats=args.compile_repeats or 3, names=args.scalers)
         print(f"| {family} ({r['leaves']}) | {_row(r, args.scalers, '.2f', 1)}", flush=True)
@@ -382,8 +389,9 @@ def _compile_repeats(args, n: int) -> int:
     return 3 if n < 1000 else 1
 
 
-def _header(first: str, base: str, names, unit: str) -> str:
+def _header(first: str, base: str, names, unit: str, kernels: bool = False) -> str:
     cells = [first, base] + [c for name in names for c in (f"{name} ({unit})", "ratio")]
+    cells += ["kernels"] if kernels else []
     return "| " + " | ".join(cells) + " |\n|" + "---:|" * len(cells)
 
 
@@ -391,6 +399,8 @@ def _row(r: dict, names, fmt: str, unit: float) -> str:
     cells = [format(unit * r["adam_s"], fmt)]
     for name in names:
         cells += [format(unit * r[f"{name}_s"], fmt), f"{r[f'{name}_ratio']:.3f}"]
+    if "kernels" in r:  # adam's, then each wrapper's
+        cells.append(" / ".join(map(str, r["kernels"])))
     return " | ".join(cells) + " |"
 
 

@@ -112,8 +112,13 @@ def leaf_flags(leaves: Sequence) -> tuple[jax.Array, list[int], jax.Array]:
 
 def large_leaf() -> int:
     """Leaves of this many elements or more are not stacked: `LARGE_GPU` where the
-    default backend, which runs the program being traced, is a GPU, else `LARGE`."""
-    return LARGE_GPU if jax.default_backend() == "gpu" else LARGE
+    program being traced runs on a GPU (`backend`), else `LARGE`."""
+    return LARGE_GPU if backend() == "gpu" else LARGE
+
+
+def backend() -> str:
+    """The platform the program being traced runs on: the default backend's."""
+    return jax.default_backend()
 
 
 def _stack_key(x) -> tuple:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from mpjax import _compat, _finite, _skip, _subtrees
+from mpjax import _compat, _finite, _one_kernel, _skip, _subtrees
 from mpjax._skip import select as _select
 from mpjax._float32 import _mul_f32_by_f64
 from mpjax.scaler_state import DISABLED, SubtreeFlags
@@ -52,8 +52,20 @@ class ScalerConfig(NamedTuple):
 def update(inner, config: ScalerConfig, grads, state, params, extra):
     """The scaler's ``update`` on the gradients of one (micro-)batch."""
     if config.accumulation_steps == 1:
-        return _step(inner, config, grads, state, params, extra)
-    return _accumulate(inner, config, grads, state, params, extra)
+        updates, state = _step(inner, config, grads, state, params, extra)
+    else:
+        updates, state = _accumulate(inner, config, grads, state, params, extra)
+    own = [getattr(state, name) for name in _SCALARS]
+    inner_leaves, inner_tree = jax.tree.flatten(state.inner_state)
+    written = _one_kernel.together(own + inner_leaves)
+    return updates, state._replace(
+        **dict(zip(_SCALARS, written)),
+        inner_state=jax.tree.unflatten(inner_tree, written[len(own) :]),
+    )
+
+
+_SCALARS = ("scale", "growth_tracker", "skipped_steps", "last_step_skipped", "micro_step")
+"""The state's own scalars, which the update writes with one kernel."""
 
 
 def _accumulate(inner, config: ScalerConfig, grads, state, params, extra):

@@ -261,10 +261,13 @@ def test_scaler_benchmark_measures_only_the_named_wrappers(capsys):
 
     scaler.main(["--leaves", "3", "--params", "3000", "--scalers", "grad_scaler", "--repeats", "2"])
     out = capsys.readouterr().out
-    assert "| leaves | adam compile (s) | grad_scaler (s) | ratio |\n" in out
+    assert "| leaves | adam compile (s) | grad_scaler (s) | ratio | kernels |\n" in out
     assert "apply_if_finite" not in out and "check_updates" not in out
     rows = [line.split("|") for line in out.splitlines() if line.startswith("| 3")]
-    assert [len(row) for row in rows] == [6, 6] and all(float(row[4]) > 0 for row in rows)
+    assert [len(row) for row in rows] == [7, 6] and all(float(row[4]) > 0 for row in rows)
+    # the compiled updates' kernels, adam's then the scaler's: a few more
+    adam, scaled = map(int, rows[0][5].split("/"))
+    assert 0 < adam < scaled <= adam + 12, rows[0]
 
 
 def test_scaler_benchmark_compiles_whole_training_steps_with_and_without(capsys, monkeypatch):

@@ -13,6 +13,7 @@ of the float32 range.
 """
 
 import functools
+import re
 
 import chex
 import jax
@@ -23,7 +24,7 @@ import pytest
 from conftest import compiled_kernels, kernels_of
 
 import mpjax
-from mpjax import _finite
+from mpjax import _finite, _one_kernel
 from mpjax.gradients import unscale
 
 
@@ -122,6 +123,57 @@ def test_scaler_adds_a_few_kernels_per_leaf(scaler, per_leaf, fixed):
     # + 1: XLA:GPU splits the finite check of 200 leaves into two horizontal fusions;
     # + 2 more: the 400 moments checked with the updates stack in two chunks
     assert growth <= per_leaf * 150 + 3, (growth, scaled, bare)
+
+
+def _writers_of_scalar_outputs(text: str) -> set:
+    """The instructions that write the compiled program's scalar outputs: for an
+    output taken from a multi-output kernel, that kernel."""
+    entry = text[text.index("\nENTRY") :]
+    defined = dict(re.findall(r"\n\s*(?:ROOT )?%(\S+) = (.*)", entry))
+    root = re.search(r"\n\s*ROOT %\S+ = .* tuple\((.*)\)", entry).group(1)
+    writers = set()
+    for name in re.findall(r"%([\w.\-]+)", root):
+        rhs = defined[name]
+        if re.match(r"[a-z]\w*\[\] ", rhs):  # a scalar output
+            source = re.match(r"\S+ get-tuple-element\(%([\w.\-]+)\)", rhs)
+            writers.add(source.group(1) if source else name)
+    return writers
+
+
+@pytest.mark.parametrize(
+    "scaler", [SCALED, ACCUMULATING, (("check_updates", True),)], ids=["step", "acc", "upd"]
+)
+def test_the_states_scalars_are_written_by_one_kernel_on_a_cpu(scaler):
+    # XLA:CPU compiles a kernel for each scalar output, which costs as much
+    # compile time as a pass over a large leaf: the scaler's own scalars (the
+    # scale, the tracker, the counts) and adam's count come out of one.
+    text = _compiled(scaler, 10)
+    assert len(_writers_of_scalar_outputs(text)) == 1, _writers_of_scalar_outputs(text)
+    assert len(_writers_of_scalar_outputs(_compiled(BARE, 10))) == 1  # adam's count
+
+
+def test_scalars_written_together_are_the_values_bit_for_bit(monkeypatch):
+    monkeypatch.setattr(_finite, "backend", lambda: "cpu")
+    values = [
+        *np.array([np.nan, -0.0, -np.inf, np.inf, -3.4e38], np.float32),
+        np.float16(-65504.0),
+        jnp.bfloat16(-0.0),
+        *np.array([np.iinfo(np.int32).min, -1, np.iinfo(np.int32).max], np.int32),
+        np.uint8(0),
+        np.int8(-128),
+        np.bool_(False),
+        np.bool_(True),
+    ]
+
+    def bits(xs):
+        return [np.asarray(x).tobytes() for x in xs]
+
+    written = jax.jit(lambda *xs: _one_kernel.together(list(xs)))(*values)
+    assert bits(written) == bits(values)
+    assert [jnp.result_type(x) for x in written] == [jnp.result_type(x) for x in values]
+    batched = [jnp.stack([x, x]) for x in values]
+    written = jax.vmap(lambda *xs: _one_kernel.together(list(xs)))(*batched)
+    assert bits(written) == bits(batched)
 
 
 def test_accumulating_update_grows_linearly_with_the_number_of_leaves():

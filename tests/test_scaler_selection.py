@@ -203,3 +203,26 @@ def test_subtree_flags_are_a_mapping_held_in_one_vector():
     assert not bool(flags["['params']['Dense_1']"])
     with pytest.raises(KeyError):
         flags["['Dense_0']"]
+
+
+@pytest.mark.parametrize("derivative", [jax.jacfwd, jax.grad], ids=["forward", "reverse"])
+def test_hypergradients_through_a_kept_step_are_the_optimizers_own(derivative):
+    # A learning rate's derivative through the update (what a hyper-gradient method
+    # or a learned optimizer takes), through the state's scalars too (the injected
+    # learning rate is one): the scaler's wrapping adds nothing to it.
+    params, grads = _params(), _grads(1)
+
+    def objective(lr, wrapped):
+        tx = optax.inject_hyperparams(optax.adam)(learning_rate=lr)
+        tx = mpjax.grad_scaler(tx) if wrapped else tx
+        updates, state = tx.update(grads, tx.init(params), params)
+        inner = state.inner_state if wrapped else state
+        new = optax.apply_updates(params, updates)
+        total = sum(jnp.sum(x**2) for x in jax.tree.leaves(new))
+        return total + 3.0 * inner.hyperparams["learning_rate"]
+
+    lr = jnp.float32(0.01)
+    got = jax.jit(derivative(lambda lr: objective(lr, True)))(lr)
+    want = jax.jit(derivative(lambda lr: objective(lr, False)))(lr)
+    chex.assert_trees_all_close(got, want, rtol=ULPS)
+    assert abs(float(want)) > 3.0  # the parameters' part is not zero

@@ -1,0 +1,81 @@
+"""The scaler's scalar outputs, written by one kernel on a CPU.
+
+XLA:CPU compiles a kernel for each scalar the update outputs (the scale, the
+growth tracker, the skipped-step count, adam's count...), 15-20 ms each, and an
+output passed through unchanged is a copy, one kernel more: with a few leaves,
+these are most of what the scaler adds to the optimizer's compile time. A
+variadic reduction writes several outputs from one kernel: each value, reduced
+by ``max`` with its type's lowest value along a length-2 axis, is the value bit
+for bit. XLA:GPU fuses the scalars into few kernels itself, and copies a
+reduction's outputs into the donated state's buffers (a kernel each): there the
+values are left as they are.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from mpjax import _compat, _finite
+
+
+def together(values: list) -> list:
+    """`values`, scalars, as they are; traced for a CPU, written by one kernel for
+    each group of them that one reduction can hold: varying over the same manual
+    mesh axes, and of one floating type at most (XLA refuses to mix precisions)."""
+    if _finite.backend() != "cpu":
+        return list(values)
+    groups = collections.defaultdict(list)
+    for i, x in enumerate(values):
+        if _joinable(x):
+            dtype = jnp.result_type(x)
+            # float32 with the integers and booleans; another float type apart
+            other = dtype if jnp.issubdtype(dtype, jnp.floating) and dtype != jnp.float32 else None
+            groups[_compat.varying_axes(jax.typeof(x)), other].append(i)
+    out = list(values)
+    for idx in groups.values():
+        if len(idx) > 1:
+            for i, x in zip(idx, _together(tuple(values[i] for i in idx))):
+                out[i] = x
+    return out
+
+
+@jax.custom_jvp
+def _together(xs: tuple) -> tuple:
+    lowest = [np.asarray(_lowest(x.dtype), x.dtype) for x in xs]
+    pairs = [lax.concatenate([lax.broadcast(x, (1,)), low[None]], 0) for x, low in zip(xs, lowest)]
+    return tuple(lax.reduce(pairs, lowest, _max, (0,)))
+
+
+def _max(a, b):
+    # At module level: lax caches the reduction's computation by this function.
+    return [lax.max(p, q) for p, q in zip(a, b)]
+
+
+@_together.defjvp
+def _together_jvp(primals, tangents):
+    # The identity: its derivative passes the tangents through (JAX has no
+    # derivative of a variadic reduction).
+    return _together(*primals), tangents[0]
+
+
+def _joinable(x) -> bool:
+    """A traced real or boolean scalar (XLA's max is bitwise exact for these)."""
+    if not _compat.is_tracer(x) or jnp.ndim(x) != 0:
+        return False
+    dtype = jnp.result_type(x)
+    return dtype == jnp.bool_ or any(jnp.issubdtype(dtype, k) for k in (jnp.integer, jnp.floating))
+
+
+def _lowest(dtype):
+    """The identity of ``max`` for `dtype`."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return False
+    if jnp.issubdtype(dtype, jnp.floating):
+        return -np.inf
+    return jnp.iinfo(dtype).min
