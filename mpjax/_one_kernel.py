@@ -64,11 +64,16 @@ def _together_jvp(primals, tangents):
 
 
 def _joinable(x) -> bool:
-    """A traced real or boolean scalar (XLA's max is bitwise exact for these)."""
+    """A traced boolean, integer or IEEE float scalar: for these ``max`` with the
+    type's lowest value is the identity, bit for bit. (A float8 without an
+    infinity has no such value: -inf is a NaN there.)"""
     if not _compat.is_tracer(x) or jnp.ndim(x) != 0:
         return False
     dtype = jnp.result_type(x)
-    return dtype == jnp.bool_ or any(jnp.issubdtype(dtype, k) for k in (jnp.integer, jnp.floating))
+    return dtype in _IEEE or dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer)
+
+
+_IEEE = frozenset(map(np.dtype, (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)))
 
 
 def _lowest(dtype):

@@ -163,6 +163,8 @@ def test_scalars_written_together_are_the_values_bit_for_bit(monkeypatch):
         np.int8(-128),
         np.bool_(False),
         np.bool_(True),
+        jnp.float8_e4m3fn(-448.0),  # no infinity: left as it is
+        jnp.float8_e4m3fn(3.0),
     ]
 
     def bits(xs):
