@@ -66,8 +66,9 @@ def _together_jvp(primals, tangents):
 def _joinable(x) -> bool:
     """A traced boolean, integer or IEEE float scalar: for these ``max`` with the
     type's lowest value is the identity, bit for bit. (A float8 without an
-    infinity has no such value: -inf is a NaN there.)"""
-    if not _compat.is_tracer(x) or jnp.ndim(x) != 0:
+    infinity has no such value: -inf is a NaN there.) Not weakly typed: the
+    reduction's result is not, and a state whose types change is compiled again."""
+    if not _compat.is_tracer(x) or jnp.ndim(x) != 0 or jax.typeof(x).weak_type:
         return False
     dtype = jnp.result_type(x)
     return dtype in _IEEE or dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer)

@@ -226,3 +226,25 @@ def test_hypergradients_through_a_kept_step_are_the_optimizers_own(derivative):
     want = jax.jit(derivative(lambda lr: objective(lr, False)))(lr)
     chex.assert_trees_all_close(got, want, rtol=ULPS)
     assert abs(float(want)) > 3.0  # the parameters' part is not zero
+
+
+def test_the_states_types_are_the_same_after_an_update():
+    # A jitted step is compiled for its arguments' types, weak types included: a
+    # state that came back of other types would compile the step a second time.
+    def counting():  # an optimizer whose scalars are weakly typed, as jnp.asarray(0.0)
+        return optax.GradientTransformation(
+            lambda p: (jnp.asarray(0.0), jnp.asarray(0)),
+            lambda g, s, p=None: (g, (s[0] + 1.0, s[1] + 1)),
+        )
+
+    params = _params()
+    for tx in (
+        mpjax.grad_scaler(optax.chain(counting(), optax.adam(1e-3))),
+        mpjax.grad_scaler(optax.adam(1e-3), accumulation_steps=2, accumulation="mean"),
+    ):
+        state = tx.init(params)
+        _, new = jax.jit(tx.update)(_grads(1), state, params)
+        assert jax.tree.structure(new) == jax.tree.structure(state)
+        assert [jax.typeof(x) for x in jax.tree.leaves(new)] == [
+            jax.typeof(x) for x in jax.tree.leaves(state)
+        ]
