@@ -55,17 +55,9 @@ def update(inner, config: ScalerConfig, grads, state, params, extra):
         updates, state = _step(inner, config, grads, state, params, extra)
     else:
         updates, state = _accumulate(inner, config, grads, state, params, extra)
-    own = [getattr(state, name) for name in _SCALARS]
-    inner_leaves, inner_tree = jax.tree.flatten(state.inner_state)
-    written = _one_kernel.together(own + inner_leaves)
-    return updates, state._replace(
-        **dict(zip(_SCALARS, written)),
-        inner_state=jax.tree.unflatten(inner_tree, written[len(own) :]),
-    )
-
-
-_SCALARS = ("scale", "growth_tracker", "skipped_steps", "last_step_skipped", "micro_step")
-"""The state's own scalars, which the update writes with one kernel."""
+    # Every scalar of the new state (the scaler's and inner's) written by one kernel.
+    leaves, tree = jax.tree.flatten(state)
+    return updates, jax.tree.unflatten(tree, _one_kernel.together(leaves))
 
 
 def _accumulate(inner, config: ScalerConfig, grads, state, params, extra):
