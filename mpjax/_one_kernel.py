@@ -31,11 +31,9 @@ def together(values: list) -> list:
         return list(values)
     groups = collections.defaultdict(list)
     for i, x in enumerate(values):
-        if _joinable(x):
-            dtype = jnp.result_type(x)
-            # float32 with the integers and booleans; another float type apart
-            other = dtype if jnp.issubdtype(dtype, jnp.floating) and dtype != jnp.float32 else None
-            groups[_compat.varying_axes(jax.typeof(x)), other].append(i)
+        key = _group(x)
+        if key is not None:
+            groups[key].append(i)
     out = list(values)
     for idx in groups.values():
         if len(idx) > 1:
@@ -63,15 +61,25 @@ def _together_jvp(primals, tangents):
     return _together(*primals), tangents[0]
 
 
-def _joinable(x) -> bool:
-    """A traced boolean, integer or IEEE float scalar: for these ``max`` with the
-    type's lowest value is the identity, bit for bit. (A float8 without an
-    infinity has no such value: -inf is a NaN there.) Not weakly typed: the
-    reduction's result is not, and a state whose types change is compiled again."""
-    if not _compat.is_tracer(x) or jnp.ndim(x) != 0 or jax.typeof(x).weak_type:
-        return False
-    dtype = jnp.result_type(x)
-    return dtype in _IEEE or dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer)
+def _group(x):
+    """The reduction `x` joins, or None: a traced boolean, integer or IEEE float
+    scalar, for which ``max`` with the type's lowest value is the identity, bit for
+    bit (a float8 without an infinity has no such value: -inf is a NaN there). Not
+    weakly typed: the reduction's result is not, and a state whose types change is
+    compiled again. Float32 goes with the integers and booleans, another float type
+    apart, each by the manual mesh axes it varies over."""
+    if not _compat.is_tracer(x) or jnp.ndim(x) != 0:
+        return None
+    aval = jax.typeof(x)
+    if aval.weak_type:
+        return None
+    if aval.dtype in _IEEE:
+        other = None if aval.dtype == np.float32 else aval.dtype
+    elif aval.dtype == np.bool_ or jnp.issubdtype(aval.dtype, jnp.integer):
+        other = None
+    else:
+        return None
+    return _compat.varying_axes(aval), other
 
 
 _IEEE = frozenset(map(np.dtype, (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)))
