@@ -262,6 +262,39 @@ def test_accumulated_gradients_near_the_float32_maximum_do_not_overflow():
     np.testing.assert_array_equal(np.asarray(updates["w"]), [-(2.0**126), 2.0**125])
 
 
+def _hlo(fn, *args) -> str:
+    """The program XLA receives for `fn`, before any of its passes."""
+    return jax.jit(fn).lower(*args).as_text(dialect="hlo")
+
+
+@pytest.mark.parametrize("devices, stacked", [(1, "f32[1200]{0}"), (8, "f32[100,3,4]{2,1,0}")])
+def test_small_leaves_are_stacked_as_one_vector_on_a_lone_cpu(monkeypatch, devices, stacked):
+    # XLA:CPU's layout assignment takes a time quadratic in the operands of a
+    # concatenation into two or more dimensions, which a stack of reshaped leaves
+    # is; a concatenation of vectors it assigns in linear time. With several
+    # devices a stack: a concatenation along a leaf's axis would gather its shards.
+    monkeypatch.setattr(jax, "device_count", lambda *backend: devices)
+    leaves = [jnp.ones((3, 4)) for _ in range(100)]
+    fresh = lambda xs: _finite.leaf_flags(xs)  # no trace cached with another count
+    concatenations = re.findall(r"= (\S+) concatenate\(", _hlo(fresh, leaves))
+    assert concatenations == [stacked]
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+@pytest.mark.parametrize("shape", [(), (5,), (3, 4), (2, 1, 3)])
+def test_each_stacked_leaf_keeps_its_flag_whatever_its_rank(monkeypatch, shape, devices):
+    monkeypatch.setattr(jax, "device_count", lambda *backend: devices)
+    leaves = [jnp.ones(shape) for _ in range(11)]
+    check = jax.jit(lambda xs: _finite.leaf_flags(xs))
+    for i in range(11):
+        for index in (0, -1):
+            bad = leaves[i].ravel().at[index].set(np.nan).reshape(shape)
+            flags, order, any_bad = check([bad if j == i else x for j, x in enumerate(leaves)])
+            assert bool(any_bad) and [int(order[k]) for k in np.flatnonzero(flags)] == [i]
+    flags, _, any_bad = check(leaves)
+    assert not bool(any_bad) and not np.any(flags)
+
+
 def _reductions(leaves) -> int:
     fresh = lambda xs: _finite.leaf_flags(xs)  # no trace cached under another platform
     return str(jax.make_jaxpr(fresh)(leaves)).count("reduce_sum")
