@@ -77,12 +77,14 @@ def update_selected(inner, drop, grads, state, params, extra, traced=None):
             leaves_of.setdefault(var, []).append(i)
     env = dict(zip(jaxpr.constvars, consts))
     kept: dict = {}  # state leaf -> its selected value
+    predicates: dict = {}
 
     def write(var, value):
         env[var] = value
         indices = leaves_of.get(var, ())
         for i in indices:
-            kept[i] = lax.select_n(drop, value, _sharded_as(old[i], value))
+            which = _predicate(drop, value, predicates)
+            kept[i] = lax.select_n(which, value, _sharded_as(old[i], value))
         if indices:
             env[var] = kept[indices[0]]  # what comes after reads the selected value
 
@@ -113,14 +115,36 @@ def select(pred: jax.Array, on_true, on_false):
     One ``select_n`` per leaf: ``jnp.where`` wraps each call in a nested jit,
     which costs trace and compile time on trees of thousands of leaves.
     """
+    predicates: dict = {}
 
     def one(t, f):
         f = _sharded_as(f, t)
         if jnp.result_type(t) != jnp.result_type(f) or jnp.shape(t) != jnp.shape(f):
             return jnp.where(pred, t, f)  # rare: an inner that retypes its state
-        return lax.select_n(pred, f, t)  # a scalar predicate needs no broadcast
+        return lax.select_n(_predicate(pred, t, predicates), f, t)
 
     return jax.tree.map(one, on_true, on_false)
+
+
+def _predicate(pred, like, broadcasts: dict):
+    """`pred`, a bool scalar, as the predicate of a selection of `like`: broadcast
+    to its shape, once per shape (`broadcasts` holds them). A scalar predicate is
+    broadcast anyway, by a select of its own when lowered: a broadcast for every
+    leaf, three per leaf of adam, which XLA:CPU's passes work through before they
+    merge them. Left scalar where `like`'s type says more than its shape: a
+    sharding its mesh makes explicit, or ``shard_map`` axes it varies over.
+    """
+    aval = jax.typeof(like)
+    if (
+        jnp.ndim(pred)
+        or not aval.ndim
+        or explicit_sharding(aval)
+        or _compat.varying_axes(aval) != _compat.varying_axes(jax.typeof(pred))
+    ):
+        return pred
+    if aval.shape not in broadcasts:
+        broadcasts[aval.shape] = lax.broadcast_in_dim(pred, aval.shape, ())
+    return broadcasts[aval.shape]
 
 
 def _sharded_as(old, new):

@@ -295,6 +295,18 @@ def test_each_stacked_leaf_keeps_its_flag_whatever_its_rank(monkeypatch, shape, 
     assert not bool(any_bad) and not np.any(flags)
 
 
+def test_the_skip_is_broadcast_once_per_leaf_shape():
+    # A select on a scalar predicate lowers to a broadcast of its own: three per
+    # leaf of adam (its moments and its update), which XLA's passes work through
+    # before they merge them. Once per shape: for the state, and for the updates.
+    params = {f"p{i:03d}": jnp.ones(12) for i in range(50)}
+    params["w"] = jnp.ones((3, 4))
+    tx = mpjax.grad_scaler(optax.adam(1e-3))
+    hlo = _hlo(tx.update, params, tx.init(params), params)
+    assert len(re.findall(r"pred\[12\]\{0\} broadcast\(", hlo)) == 2
+    assert len(re.findall(r"pred\[3,4\]\{1,0\} broadcast\(", hlo)) == 2
+
+
 def _reductions(leaves) -> int:
     fresh = lambda xs: _finite.leaf_flags(xs)  # no trace cached under another platform
     return str(jax.make_jaxpr(fresh)(leaves)).count("reduce_sum")

@@ -138,7 +138,8 @@ def test_under_jit_the_optimizers_equations_are_staged_as_traced(name, monkeypat
     # The selection re-evaluates the optimizer's jaxpr; under jit it adds each
     # equation to the trace as it is, with no second type inference per equation
     # (a bind each would cost the update's trace time once more), and the program
-    # is the optimizer's, plus one select per state leaf.
+    # is the optimizer's, plus one select per state leaf and one broadcast of the
+    # skip per shape of the state's arrays.
     from mpjax import _compat, _skip
 
     rebound = []
@@ -159,7 +160,10 @@ def test_under_jit_the_optimizers_equations_are_staged_as_traced(name, monkeypat
     def counts(jaxpr):
         return collections.Counter(e.primitive.name for e in jaxpr.eqns)
 
-    assert counts(staged) - counts(own) == {"select_n": len(jax.tree.leaves(state))}
+    leaves = jax.tree.leaves(state)
+    shapes = {jnp.shape(x) for x in leaves if jnp.ndim(x)}
+    added = {"select_n": len(leaves), "broadcast_in_dim": len(shapes)}
+    assert counts(staged) - counts(own) == added
     assert counts(own) - counts(staged) == collections.Counter()
 
 
