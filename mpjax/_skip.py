@@ -130,7 +130,7 @@ def _predicate(pred, like, broadcasts: dict):
     """`pred`, a bool scalar, as the predicate of a selection of `like`: broadcast
     to its shape, once per shape (`broadcasts` holds them). A scalar predicate is
     broadcast anyway, by a select of its own when lowered: a broadcast for every
-    leaf, three per leaf of adam, which XLA:CPU's passes work through before they
+    leaf, three per leaf of adam, which XLA's passes work through before they
     merge them. Left scalar where `like`'s type says more than its shape: a
     sharding its mesh makes explicit, or ``shard_map`` axes it varies over.
     """
