@@ -17,12 +17,18 @@ for the caller to replace by zeros.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mpjax import _compat
+from mpjax import _compat, _finite
 from mpjax._casting import explicit_sharding
+
+LOOPED = 128
+"""On a CPU, leaves of this many elements or more are selected on an iota
+comparison (`_broadcast`); smaller ones XLA:CPU compiles without a loop."""
 
 
 def trace_update(inner, grads, state, params, extra):
@@ -143,8 +149,24 @@ def _predicate(pred, like, broadcasts: dict):
     ):
         return pred
     if aval.shape not in broadcasts:
-        broadcasts[aval.shape] = lax.broadcast_in_dim(pred, aval.shape, ())
+        broadcasts[aval.shape] = _broadcast(pred, aval.shape)
     return broadcasts[aval.shape]
+
+
+def _broadcast(pred, shape: tuple[int, ...]) -> jax.Array:
+    """`pred`, a bool scalar, broadcast to `shape`.
+
+    On a CPU, for `LOOPED` elements or more, as ``iota < (n if pred else 0)``
+    along the last axis longer than one, of length n: the same values, which vary
+    along the kernel's inner loop. A predicate that does not LLVM unswitches out
+    of the loop: it emits the loop twice, one copy of it unrolled, and compiles
+    each of the optimizer's kernels about twice over (docs/benchmarks.md).
+    """
+    if _finite.backend() != "cpu" or math.prod(shape) < LOOPED:
+        return lax.broadcast_in_dim(pred, shape, ())
+    axis = max(i for i, n in enumerate(shape) if n > 1)
+    limit = lax.select(pred, jnp.int32(shape[axis]), jnp.int32(0))
+    return lax.broadcasted_iota(jnp.int32, shape, axis) < limit
 
 
 def _sharded_as(old, new):

@@ -8,6 +8,7 @@ program), and a dropped one leaves its state bit for bit.
 """
 
 import collections
+import re
 
 import chex
 import jax
@@ -252,3 +253,61 @@ def test_the_states_types_are_the_same_after_an_update():
         assert [jax.typeof(x) for x in jax.tree.leaves(new)] == [
             jax.typeof(x) for x in jax.tree.leaves(state)
         ]
+
+
+ODD_SHAPES = [(127,), (128,), (4, 32), (300, 1), (1, 200, 1), (2, 3, 64)]
+"""Leaves on either side of `_skip.LOOPED`, and with axes of length one last."""
+
+
+def _spread(x, mesh):
+    """`x` split over the mesh's 8 devices along its last axis that 8 divides, if any."""
+    axes = [None] * x.ndim
+    split = [i for i, n in enumerate(x.shape) if n % 8 == 0]
+    if split:
+        axes[split[-1]] = "x"
+    return jax.device_put(x, jax.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes)))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_leaves_of_every_shape_are_kept_or_dropped_whole(sharded):
+    # On a CPU the selection of a leaf of _skip.LOOPED elements or more compares an
+    # iota along its last axis longer than one: every element must follow the skip,
+    # whatever the shape, and on a mesh whatever the shards each device holds.
+    params = {f"p{i}": jnp.linspace(-1, 1, np.prod(s)).reshape(s) for i, s in enumerate(ODD_SHAPES)}
+    grads = jax.tree.map(lambda p: p * 0.5 + 0.25, params)
+    if sharded:
+        mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+        params, grads = (jax.tree.map(lambda x: _spread(x, mesh), t) for t in (params, grads))
+    tx, adam = mpjax.grad_scaler(optax.adam(1e-3)), optax.adam(1e-3)
+    update = jax.jit(tx.update)
+    state = update(grads, tx.init(params), params)[1]  # moments that are not zero
+    updates, kept = update(grads, state, params)
+    own_updates, own_state = jax.jit(adam.update)(grads, state.inner_state, params)
+    chex.assert_trees_all_equal(updates, own_updates)
+    chex.assert_trees_all_equal(kept.inner_state, own_state)
+    for name, g in grads.items():
+        bad = {**grads, name: g.reshape(-1).at[-1].set(jnp.nan).reshape(g.shape)}
+        updates, dropped = update(bad, state, params)
+        assert bool(dropped.last_step_skipped), name
+        chex.assert_trees_all_equal(dropped.inner_state, state.inner_state)
+        chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params))
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_on_a_cpu_a_looped_leaf_is_selected_on_an_iota(monkeypatch, platform):
+    # A select on a predicate its loop does not vary LLVM unswitches: it emits the
+    # loop twice, one copy unrolled, and XLA:CPU compiles each kernel about twice
+    # over. From _skip.LOOPED elements the skip is compared against an iota that
+    # varies along the inner loop; smaller leaves, and other platforms, broadcast it.
+    from mpjax import _skip
+
+    monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    params = {"small": jnp.ones(_skip.LOOPED - 1), "w": jnp.ones((4, _skip.LOOPED // 4))}
+    tx = mpjax.grad_scaler(optax.adam(1e-3))
+    lowered = jax.jit(lambda *a: tx.update(*a)).lower(params, tx.init(params), params)
+    hlo = lowered.as_text(dialect="hlo")
+    # Two selections: of the state, and of the updates.
+    compares = re.findall(r"pred\[4,32\]\{1,0\} compare\(iota", hlo)
+    broadcasts = re.findall(r"pred\[4,32\]\{1,0\} broadcast\(", hlo)
+    assert (len(compares), len(broadcasts)) == ((2, 0) if platform == "cpu" else (0, 2))
+    assert len(re.findall(rf"pred\[{_skip.LOOPED - 1}\]\{{0\}} broadcast\(", hlo)) == 2
