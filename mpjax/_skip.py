@@ -158,9 +158,9 @@ def _broadcast(pred, shape: tuple[int, ...]) -> jax.Array:
 
     On a CPU, for `LOOPED` elements or more, as ``iota < (n if pred else 0)``
     along the last axis longer than one, of length n: the same values, which vary
-    along the kernel's inner loop. A predicate that does not LLVM unswitches out
-    of the loop: it emits the loop twice, one copy of it unrolled, and compiles
-    each of the optimizer's kernels about twice over (docs/benchmarks.md).
+    along the kernel's inner loop. On a predicate the loop does not vary, LLVM
+    unswitches the loop: it emits it twice, one copy unrolled, and compiles each
+    of the optimizer's kernels about twice over (docs/benchmarks.md).
     """
     if _finite.backend() != "cpu" or math.prod(shape) < LOOPED:
         return lax.broadcast_in_dim(pred, shape, ())
