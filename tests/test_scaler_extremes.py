@@ -24,7 +24,7 @@ import pytest
 from conftest import compiled_kernels, kernels_of
 
 import mpjax
-from mpjax import _finite, _one_kernel
+from mpjax import _finite, _one_kernel, _skip
 from mpjax.gradients import unscale
 
 
@@ -305,6 +305,23 @@ def test_the_skip_is_broadcast_once_per_leaf_shape():
     hlo = _hlo(tx.update, params, tx.init(params), params)
     assert len(re.findall(r"pred\[12\]\{0\} broadcast\(", hlo)) == 2
     assert len(re.findall(r"pred\[3,4\]\{1,0\} broadcast\(", hlo)) == 2
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_on_a_cpu_a_looped_leaf_is_selected_on_an_iota(monkeypatch, platform):
+    # A select on a predicate its loop does not vary LLVM unswitches: it emits the
+    # loop twice, one copy unrolled, and XLA:CPU compiles each kernel about twice
+    # over. From _skip.LOOPED elements the skip is compared against an iota that
+    # varies along the inner loop; smaller leaves, and other platforms, broadcast it.
+    monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    params = {"small": jnp.ones(_skip.LOOPED - 1), "w": jnp.ones((4, _skip.LOOPED // 4))}
+    tx = mpjax.grad_scaler(optax.adam(1e-3))
+    hlo = _hlo(tx.update, params, tx.init(params), params)
+    # Two selections: of the state, and of the updates.
+    compares = re.findall(r"pred\[4,32\]\{1,0\} compare\(iota", hlo)
+    broadcasts = re.findall(r"pred\[4,32\]\{1,0\} broadcast\(", hlo)
+    assert (len(compares), len(broadcasts)) == ((2, 0) if platform == "cpu" else (0, 2))
+    assert len(re.findall(rf"pred\[{_skip.LOOPED - 1}\]\{{0\}} broadcast\(", hlo)) == 2
 
 
 def _reductions(leaves) -> int:

@@ -8,7 +8,6 @@ program), and a dropped one leaves its state bit for bit.
 """
 
 import collections
-import re
 
 import chex
 import jax
@@ -291,23 +290,3 @@ def test_leaves_of_every_shape_are_kept_or_dropped_whole(sharded):
         assert bool(dropped.last_step_skipped), name
         chex.assert_trees_all_equal(dropped.inner_state, state.inner_state)
         chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params))
-
-
-@pytest.mark.parametrize("platform", ["cpu", "gpu"])
-def test_on_a_cpu_a_looped_leaf_is_selected_on_an_iota(monkeypatch, platform):
-    # A select on a predicate its loop does not vary LLVM unswitches: it emits the
-    # loop twice, one copy unrolled, and XLA:CPU compiles each kernel about twice
-    # over. From _skip.LOOPED elements the skip is compared against an iota that
-    # varies along the inner loop; smaller leaves, and other platforms, broadcast it.
-    from mpjax import _skip
-
-    monkeypatch.setattr(jax, "default_backend", lambda: platform)
-    params = {"small": jnp.ones(_skip.LOOPED - 1), "w": jnp.ones((4, _skip.LOOPED // 4))}
-    tx = mpjax.grad_scaler(optax.adam(1e-3))
-    lowered = jax.jit(lambda *a: tx.update(*a)).lower(params, tx.init(params), params)
-    hlo = lowered.as_text(dialect="hlo")
-    # Two selections: of the state, and of the updates.
-    compares = re.findall(r"pred\[4,32\]\{1,0\} compare\(iota", hlo)
-    broadcasts = re.findall(r"pred\[4,32\]\{1,0\} broadcast\(", hlo)
-    assert (len(compares), len(broadcasts)) == ((2, 0) if platform == "cpu" else (0, 2))
-    assert len(re.findall(rf"pred\[{_skip.LOOPED - 1}\]\{{0\}} broadcast\(", hlo)) == 2
