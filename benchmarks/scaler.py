@@ -128,20 +128,29 @@ def model_compile_ratio(family: str, repeats: int = 3, names=tuple(_SCALERS)) ->
     return {"leaves": len(jax.tree.leaves(params)), **_ratios(med, "total", names)}
 
 
+_STEP_PARTS = ("grad_scaler, jax.value_and_grad", "grad_scaler")
+"""The scaled steps `step_compile_ratio` compiles: the scaler's update alone (the
+gradients of ``jax.value_and_grad``), and the update with the gradients of
+`mpjax.scaled_value_and_grad` (the loss scaled, each gradient unscaled)."""
+
+
 def step_compile_ratio(family: str, repeats: int = 3) -> dict:
     """Trace, lower and compile of a whole training step of a benchmark model at full
-    size (autocast float16 loss, AdamW), with `grad_scaler` over without: what the
-    scaler adds to the compile a user waits for."""
+    size (autocast float16 loss, AdamW), with loss scaling over without: what the
+    scaler adds to the compile a user waits for, and how much of it is the update's."""
     spec = SIZES["full"][family]
+
+    def step(scaler: bool, scaled_loss: bool):
+        return lambda: timing.compile_times(spec, "autocast-f16", scaler, scaled_loss)
+
     med = timing.interleaved(
-        {
-            "adam": lambda: timing.compile_times(spec, "autocast-f16", scaler=False),
-            "grad_scaler": lambda: timing.compile_times(spec, "autocast-f16", scaler=True),
-        },
+        dict(
+            zip(("adam", *_STEP_PARTS), (step(False, False), step(True, False), step(True, True)))
+        ),
         repeats=repeats,
         warmup=False,
     )
-    return {"family": family, **_ratios(med, "total", ("grad_scaler",))}
+    return {"family": family, **_ratios(med, "total", _STEP_PARTS)}
 
 
 def _check_only(adam):
@@ -338,10 +347,10 @@ def main(argv=None) -> None:
         print(f"| {family} ({r['leaves']}) | {_row(r, args.scalers, '.2f', 1)}", flush=True)
     if args.compile_steps:
         print()
-        print(_header("training step", "adamw compile (s)", ("grad_scaler",), "s"))
+        print(_header("training step", "adamw compile (s)", _STEP_PARTS, "s"))
     for family in args.compile_steps:
         r = step_compile_ratio(family, repeats=args.compile_repeats or 3)
-        print(f"| {family} | {_row(r, ('grad_scaler',), '.2f', 1)}", flush=True)
+        print(f"| {family} | {_row(r, _STEP_PARTS, '.2f', 1)}", flush=True)
     if args.params:
         print()
         state = "state donated" if args.donate else "state not donated"

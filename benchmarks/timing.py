@@ -63,13 +63,15 @@ def interleaved(
 
 
 def compile_times(
-    spec: ModelSpec, variant_name: str, scaler: bool | None = None
+    spec: ModelSpec, variant_name: str, scaler: bool | None = None, scaled_loss: bool | None = None
 ) -> dict[str, float]:
     """Seconds to trace, lower and compile one training step, from a fresh function.
 
-    `scaler` overrides the variant's own choice of a grad scaler around its optimizer.
+    `scaler` overrides the variant's own choice of a grad scaler around its optimizer,
+    `scaled_loss` whether the gradients are `mpjax.scaled_value_and_grad`'s
+    (`variants.train_step`).
     """
-    step, tx = train_step(spec, VARIANTS[variant_name], scaler=scaler)
+    step, tx = train_step(spec, VARIANTS[variant_name], scaler=scaler, scaled_loss=scaled_loss)
     args = step_specs(spec, tx)
     t0 = time.perf_counter()
     traced = jax.jit(step).trace(*args)

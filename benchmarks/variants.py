@@ -115,19 +115,22 @@ def optimizer(variant: Variant, scaler: bool | None = None) -> optax.GradientTra
 
 
 def train_step(
-    spec: ModelSpec, variant: Variant, scaler: bool | None = None
+    spec: ModelSpec, variant: Variant, scaler: bool | None = None, scaled_loss: bool | None = None
 ) -> tuple[Callable, Any]:
     """``(step, tx)``: one full training step (forward, backward, optimizer), unjitted.
 
     ``step(params, state, opt_state, batch) -> (params, state, opt_state, loss)``. A
     new function each call, so that jit's caches never hand a compiled step to a timing.
+    `scaled_loss`: the gradients from `mpjax.scaled_value_and_grad` (by default where
+    the optimizer is the grad scaler) or from ``jax.value_and_grad``.
     """
     loss = loss_fn(spec, variant)
     scaled = variant.scaler if scaler is None else scaler
     tx = optimizer(variant, scaled)
+    scaled_loss = scaled if scaled_loss is None else scaled_loss
 
     def step(params, state, opt_state, batch):
-        if scaled:
+        if scaled_loss:
             grad_fn = mpjax.scaled_value_and_grad(loss, opt_state, has_aux=True)
         else:
             grad_fn = jax.value_and_grad(loss, has_aux=True)

@@ -276,19 +276,27 @@ def test_scaler_benchmark_compiles_whole_training_steps_with_and_without(capsys,
     calls = []
     real = scaler.timing.compile_times
 
-    def compile_times(spec, variant, scaler=None):
-        calls.append((spec, variant, scaler))
-        return real(spec, variant, scaler=scaler)
+    def compile_times(spec, variant, scaler=None, scaled_loss=None):
+        calls.append((spec, variant, scaler, scaled_loss))
+        return real(spec, variant, scaler, scaled_loss)
 
     monkeypatch.setitem(SIZES["full"], "gpt", SIZES["smoke"]["gpt"])  # small, same code
     monkeypatch.setattr(scaler.timing, "compile_times", compile_times)
     scaler.main(["--leaves", "--params", "--compile-steps", "gpt", "--compile-repeats", "1"])
     out = capsys.readouterr().out
-    assert "| training step | adamw compile (s) | grad_scaler (s) | ratio |" in out
+    assert (
+        "| training step | adamw compile (s) | grad_scaler, jax.value_and_grad (s) | ratio "
+        "| grad_scaler (s) | ratio |" in out
+    )
     (row,) = [line.split("|") for line in out.splitlines() if line.startswith("| gpt |")]
-    assert float(row[4]) > 0
+    assert float(row[4]) > 0 and float(row[6]) > 0
     smoke = SIZES["smoke"]["gpt"]
-    assert sorted(calls, key=str) == [(smoke, "autocast-f16", False), (smoke, "autocast-f16", True)]
+    # without loss scaling, the update alone, and both: the same model and variant
+    assert sorted(calls, key=str) == [
+        (smoke, "autocast-f16", False, False),
+        (smoke, "autocast-f16", True, False),
+        (smoke, "autocast-f16", True, True),
+    ]
 
 
 def test_scaler_benchmark_donates_the_state_and_feeds_it_forward(capsys):
