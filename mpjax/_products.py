@@ -225,11 +225,36 @@ def _transpose_lhs(ct, y, x, dn, precision, result_type, swap_ans=False):
     dims = ((ans_y, tuple(y_kept)), (ans_batch, tuple(y_batch)))
     x_contract_sorted_by_y = list(np.take(x_contract, np.argsort(y_contract)))
     unsorted_axes = list(x_batch) + x_kept + x_contract_sorted_by_y
+    swapped_axes = list(x_batch) + x_contract_sorted_by_y + x_kept
+    if (
+        unsorted_axes != sorted(unsorted_axes)
+        and swapped_axes == sorted(swapped_axes)
+        and _symmetric(precision)
+    ):
+        # The other operand first gives `x`'s axes in order (a weight's gradient, of
+        # the activation and the cotangent): no transpose (XLA mostly swaps the
+        # operands itself), and the gradient a product's own result, which the
+        # finite check's reduction reads in one kernel (behind a transpose,
+        # XLA:CPU splits it into three).
+        swapped_dims = ((dims[0][1], dims[0][0]), (dims[1][1], dims[1][0]))
+        return lax.dot_general(
+            y, ct, swapped_dims, precision=precision,
+            preferred_element_type=result_type, **_sharded_as(x, swapped_axes),
+        )
     out = lax.dot_general(
         ct, y, dims, precision=precision, preferred_element_type=result_type,
         **_sharded_as(x, unsorted_axes),
     )
     return lax.transpose(out, tuple(int(a) for a in np.argsort(unsorted_axes)))
+
+
+def _symmetric(precision) -> bool:
+    """Whether `precision` asks the same of both operands, so that they can swap."""
+    if isinstance(precision, lax.DotAlgorithm):
+        return precision.lhs_precision_type == precision.rhs_precision_type and (
+            precision.lhs_component_count == precision.rhs_component_count
+        )
+    return not isinstance(precision, tuple) or len(set(precision)) <= 1
 
 
 def _ragged_transpose(ct, other, operand, rdn, group_sizes, precision, result, side):

@@ -90,6 +90,25 @@ def test_the_check_of_a_large_leaf_is_one_kernel(dtype):
     assert kernels(8) - kernels(4) == 4
 
 
+def test_the_check_of_an_autocast_weight_gradient_is_one_kernel(low):
+    # A weight's gradient under autocast is a product laid out as the weight, of the
+    # activation and the cotangent. Written as JAX's own transpose rule writes it,
+    # the cotangent's product transposed, XLA:CPU split the check's reduction of it
+    # into a tree of reduce-windows: three kernels instead of one.
+    def loss(p, x):
+        return jnp.sum(jnp.tanh(x @ p["w1"]) @ p["w2"])
+
+    params = {"w1": jnp.full((64, 256), 0.01), "w2": jnp.full((256, 64), 0.01)}
+    x = jnp.ones((8, 64))
+    grad = jax.grad(mpjax.autocast(loss, dtype=low))
+    assert all(jnp.size(w) >= _finite.LARGE for w in params.values())  # checked alone
+    eqns = [e.primitive.name for e in jax.make_jaxpr(grad)(params, x).jaxpr.eqns]
+    assert "transpose" not in eqns, eqns
+    tx = mpjax.grad_scaler(optax.adam(1e-3))
+    step = jax.jit(lambda p, s, x: tx.update(grad(p, x), s, p))
+    assert "reduce-window(" not in step.lower(params, tx.init(params), x).compile().as_text()
+
+
 def _kernels(scaler: tuple | None, n_leaves: int) -> int:
     """The instructions of the compiled update's entry computation that run as
     kernels (fusions, copies, unfused ops), for n leaves of 12 parameters."""
