@@ -141,7 +141,7 @@ def step_compile_ratio(family: str, repeats: int = 3) -> dict:
     spec = SIZES["full"][family]
 
     def step(scaler: bool, scaled_loss: bool):
-        return lambda: timing.compile_times(spec, "autocast-f16", scaler, scaled_loss)
+        return lambda: timing.compile_times(spec, "autocast-f16", scaler, scaled_loss, True)
 
     med = timing.interleaved(
         dict(
@@ -347,7 +347,7 @@ def main(argv=None) -> None:
         print(f"| {family} ({r['leaves']}) | {_row(r, args.scalers, '.2f', 1)}", flush=True)
     if args.compile_steps:
         print()
-        print(_header("training step", "adamw compile (s)", _STEP_PARTS, "s"))
+        print(_header("training step", "adamw compile (s)", _STEP_PARTS, "s", kernels=True))
     for family in args.compile_steps:
         r = step_compile_ratio(family, repeats=args.compile_repeats or 3)
         print(f"| {family} | {_row(r, _STEP_PARTS, '.2f', 1)}", flush=True)

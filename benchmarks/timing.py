@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 import mpjax
-from benchmarks import compile_options
+from benchmarks import compile_options, kernel_traffic
 from benchmarks.models import ModelSpec
 from benchmarks.compile_options import jit
 from benchmarks.variants import VARIANTS, forward, step_specs, train_step, value_fn
@@ -63,13 +63,17 @@ def interleaved(
 
 
 def compile_times(
-    spec: ModelSpec, variant_name: str, scaler: bool | None = None, scaled_loss: bool | None = None
+    spec: ModelSpec,
+    variant_name: str,
+    scaler: bool | None = None,
+    scaled_loss: bool | None = None,
+    kernels: bool = False,
 ) -> dict[str, float]:
     """Seconds to trace, lower and compile one training step, from a fresh function.
 
     `scaler` overrides the variant's own choice of a grad scaler around its optimizer,
     `scaled_loss` whether the gradients are `mpjax.scaled_value_and_grad`'s
-    (`variants.train_step`).
+    (`variants.train_step`). With `kernels`, also the compiled step's kernels.
     """
     step, tx = train_step(spec, VARIANTS[variant_name], scaler=scaler, scaled_loss=scaled_loss)
     args = step_specs(spec, tx)
@@ -78,9 +82,12 @@ def compile_times(
     t1 = time.perf_counter()
     lowered = traced.lower()
     t2 = time.perf_counter()
-    lowered.compile(compiler_options=dict(compile_options.COMPILER_OPTIONS) or None)
+    compiled = lowered.compile(compiler_options=dict(compile_options.COMPILER_OPTIONS) or None)
     t3 = time.perf_counter()
-    return dict(trace=t1 - t0, lower=t2 - t1, compile=t3 - t2, total=t3 - t0)
+    out = dict(trace=t1 - t0, lower=t2 - t1, compile=t3 - t2, total=t3 - t0)
+    if kernels:
+        out["kernels"] = kernel_traffic.kernel_bytes(compiled.as_text())["kernels"]
+    return out
 
 
 def compile_overhead(spec: ModelSpec, names: list[str], repeats: int, warmup: bool = True) -> dict:

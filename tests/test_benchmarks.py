@@ -276,9 +276,9 @@ def test_scaler_benchmark_compiles_whole_training_steps_with_and_without(capsys,
     calls = []
     real = scaler.timing.compile_times
 
-    def compile_times(spec, variant, scaler=None, scaled_loss=None):
+    def compile_times(spec, variant, scaler=None, scaled_loss=None, kernels=False):
         calls.append((spec, variant, scaler, scaled_loss))
-        return real(spec, variant, scaler, scaled_loss)
+        return real(spec, variant, scaler, scaled_loss, kernels)
 
     monkeypatch.setitem(SIZES["full"], "gpt", SIZES["smoke"]["gpt"])  # small, same code
     monkeypatch.setattr(scaler.timing, "compile_times", compile_times)
@@ -286,10 +286,13 @@ def test_scaler_benchmark_compiles_whole_training_steps_with_and_without(capsys,
     out = capsys.readouterr().out
     assert (
         "| training step | adamw compile (s) | grad_scaler, jax.value_and_grad (s) | ratio "
-        "| grad_scaler (s) | ratio |" in out
+        "| grad_scaler (s) | ratio | kernels |" in out
     )
     (row,) = [line.split("|") for line in out.splitlines() if line.startswith("| gpt |")]
     assert float(row[4]) > 0 and float(row[6]) > 0
+    # the compiled steps' kernels: loss scaling adds some, the unscaling some more
+    plain, update, scaled = map(int, row[7].split("/"))
+    assert plain < update < scaled, row
     smoke = SIZES["smoke"]["gpt"]
     # without loss scaling, the update alone, and both: the same model and variant
     assert sorted(calls, key=str) == [
