@@ -211,10 +211,11 @@ def _transpose_rhs(ct, x, y, dn, precision, result_type):
 
 
 def _transpose_lhs(ct, y, x, dn, precision, result_type, swap_ans=False):
-    """The cotangent of a product's left operand `x` (JAX's own transpose rule), as
-    a product of the 16-bit cotangent and right operand returning `result_type`,
-    sharded as `x` (explicit sharding asks, when the contraction is over a sharded
-    dimension, as a weight's gradient over a sharded batch is)."""
+    """The cotangent of a product's left operand `x` (JAX's own transpose rule, its
+    operands swapped where that lays the result out as `x`), as a product of the
+    16-bit cotangent and right operand returning `result_type`, sharded as `x`
+    (explicit sharding asks, when the contraction is over a sharded dimension, as a
+    weight's gradient over a sharded batch is)."""
     (x_contract, y_contract), (x_batch, y_batch) = dn
     x_kept = _remaining(range(np.ndim(x)), x_contract, x_batch)
     y_kept = _remaining(range(np.ndim(y)), y_contract, y_batch)
