@@ -615,6 +615,37 @@ def test_grad_of_autocast_leaves_no_calls_of_its_own():
     np.testing.assert_allclose(grads, jax.grad(f)(w, x), rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.parametrize(
+    "pattern, a_shape, b_shape",
+    [
+        ("ij,jk->ik", (24, 16), (16, 16)),  # a square weight keeps its shape transposed
+        ("bti,io->bto", (2, 6, 16), (16, 16)),
+        ("ijk,kl->ijl", (3, 5, 16), (16, 12)),
+        ("ik,jk->ij", (24, 16), (12, 16)),
+        ("ki,kj->ij", (24, 16), (24, 16)),
+        ("bik,bkj->bij", (3, 8, 16), (3, 16, 16)),
+        ("ibk,kj->bij", (8, 3, 16), (16, 12)),
+        ("bqhd,bkhd->bhqk", (2, 8, 2, 16), (2, 6, 2, 16)),
+    ],
+)
+def test_product_gradients_of_every_layout_match_float32(low, pattern, a_shape, b_shape):
+    # Each operand's gradient is a product laid out as the operand where its operands
+    # can be ordered so (a weight's), else a product transposed after: an axis put in
+    # the wrong place would keep a square operand's shape, and be wrong.
+    ka, kb, kc = jax.random.split(jax.random.key(0), 3)
+    a, b = jax.random.normal(ka, a_shape), jax.random.normal(kb, b_shape)
+    c = jax.random.normal(kc, jnp.einsum(pattern, a, b).shape)  # no symmetry to hide in
+
+    def loss(a, b):
+        return jnp.sum(jnp.einsum(pattern, a, b) * c)
+
+    got = jax.grad(mpjax.autocast(loss, dtype=low), argnums=(0, 1))(a, b)
+    for g, want in zip(got, jax.grad(loss, argnums=(0, 1))(a, b)):
+        assert g.dtype == F32 and g.shape == want.shape
+        scale = float(jnp.max(jnp.abs(want)))
+        np.testing.assert_allclose(g, want, rtol=0, atol=rel_tol(low) * scale)
+
+
 # --- values whose meaning depends on their dtype -------------------------------------
 
 
