@@ -327,10 +327,7 @@ def test_the_finite_check_of_tensor_parallel_gradients_reads_them_where_they_lie
     step = jax.jit(tx.update, in_shardings=(shardings, None, shardings))
     found = _collectives(step.lower(params, state, params).compile().as_text())
     assert found and all(kind == "all-reduce" for _, kind in found), found
-    sizes = [
-        np.prod([int(d) for d in dims.split(",") if d])
-        for dims in re.findall(r"\[([\d,]*)\]", "".join(s for s, _ in found))
-    ]
+    sizes = [n for _, arrays in _moved(found) for n in arrays]
     assert max(sizes) <= 8, found  # flags, not gradients
     grads = jax.tree.map(lambda p: p * 0.1, params)
     updates, new = step(grads, state, params)
