@@ -141,7 +141,7 @@ def step_compile_ratio(family: str, repeats: int = 3) -> dict:
     spec = SIZES["full"][family]
 
     def step(scaler: bool, scaled_loss: bool):
-        return lambda: timing.compile_times(spec, "autocast-f16", scaler, scaled_loss, True)
+        return lambda: timing.compile_times(spec, "autocast-f16", scaler, scaled_loss, kernels=True)
 
     med = timing.interleaved(
         dict(
