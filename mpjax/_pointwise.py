@@ -87,7 +87,7 @@ def _evaluator(program, literals, out, low):
     consts = [np.frombuffer(data, dtype).reshape(shape) for dtype, shape, data in literals]
 
     def function(x):
-        values = [_widen(x)]
+        values = [convert(x, F32, False)]
         for primitive, params, refs in program:
             args = [values[r] if r >= 0 else consts[-1 - r] for r in refs]
             outs = primitive.bind(*args, **primitive.get_bind_params(dict(params)))
@@ -95,30 +95,6 @@ def _evaluator(program, literals, out, low):
         return convert(values[out], low, False)
 
     return function
-
-
-@jax.custom_jvp
-def _widen(x):
-    """`x` in float32, its cotangent rounded back and kept apart from the chain's
-    backward pass: on a GPU, XLA otherwise sums a bias's gradient from the
-    float32 cotangent before the rounding, and so writes it to memory in float32
-    between two kernels, where torch (and a hand-cast model) writes the 16-bit one."""
-    return convert(x, F32, False)
-
-
-@_widen.defjvp
-def _widen_jvp(primals, tangents):
-    (x,), (t,) = primals, tangents
-    return convert(x, F32, False), convert(_gpu_barrier(t), F32, False)
-
-
-def _gpu_barrier(x):
-    """`x` behind ``lax.optimization_barrier`` in a program lowered for a GPU, where
-    it stops XLA from reading through the 16-bit rounding before it (its excess
-    precision); as it is elsewhere, where the barrier would only bar fusions (a
-    TPU fuses elementwise producers into its matrix products)."""
-    barrier = jax.lax.optimization_barrier
-    return jax.lax.platform_dependent(x, cuda=barrier, rocm=barrier, default=lambda v: v)
 
 
 def bind_quotient(eqn, x, y, **updates):

@@ -55,7 +55,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from mpjax import _compat, _constants, _pointwise, policy
+from mpjax import _bias, _compat, _constants, _pointwise, policy
 from mpjax._casting import F32, convert, dtype_of, fewer, is_concrete, size
 
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
@@ -323,13 +323,15 @@ def bias_add(ctx, eqn, vals):
     args = [accumulator if x is product else x for x in vals]
     if any(dtype_of(x) != F32 for x in args):
         return None
-    outs = _compat.bind(eqn, *args)
     if id(eqn) in ctx.float32_sums:
-        return outs
-    rounded = [convert(o, ctx.region.dtype, False) for o in outs]
-    for r, o in zip(rounded, outs):
-        ctx.scope.keep_accumulator(r, o)  # for a residual sum (`residual_operands`)
-    return rounded
+        return _compat.bind(eqn, *args)
+    bias = next(i for i, x in enumerate(vals) if x is not product)
+    rounded = _bias.rounded_bias_add(
+        lambda *xs: _compat.bind(eqn, *xs)[0], args, bias, ctx.region.dtype
+    )
+    # for a residual sum (`residual_operands`): the float32 sum, made if one asks
+    ctx.scope.keep_accumulator(rounded, lambda: _compat.bind(eqn, *args)[0])
+    return [rounded]
 
 
 def residual_operands(ctx, eqn, vals) -> list:

@@ -272,6 +272,13 @@ def _loss(w, x):
     return jnp.sum(jax.nn.softmax(jnp.tanh(x @ w) @ w) ** 2)
 
 
+def _biased_loss(w, x):
+    """Two biased products with a GELU between them: the bias adds autocast runs
+    as one operation each, differentiated by a rule of its own."""
+    h = jax.nn.gelu(x @ w + w[0], approximate=True)
+    return jnp.sum(jax.nn.softmax(h @ w + w[1]) ** 2)
+
+
 TRANSFORMS = {
     "jit": lambda ac, f: jax.jit(ac(f)),
     "grad": lambda ac, f: jax.grad(ac(f)),
@@ -292,17 +299,18 @@ TRANSFORMS = {
 }
 
 
+@pytest.mark.parametrize("loss", [_loss, _biased_loss], ids=["plain", "biased"])
 @pytest.mark.parametrize("name", list(TRANSFORMS))
-def test_composes_with_transforms(name, low):
+def test_composes_with_transforms(name, loss, low):
     make = TRANSFORMS[name]
     w, x = _w(4, 4), _w(3, 4, seed=1)
     if name.startswith(("vmap", "autocast(vmap)", "grad(vmap)")):
         x = _w(5, 3, 4, seed=1)
-    got = make(functools.partial(mpjax.autocast, dtype=low), _loss)(w, x)
-    want = make(lambda f: f, _loss)(w, x)
+    got = make(functools.partial(mpjax.autocast, dtype=low), loss)(w, x)
+    want = make(lambda f: f, loss)(w, x)
     chex.assert_trees_all_equal_dtypes(got, want)
     chex.assert_trees_all_close(got, want, rtol=8 * rel_tol(low), atol=3e-2)
-    precisions = _precisions(make(functools.partial(mpjax.autocast, dtype=low), _loss), w, x)
+    precisions = _precisions(make(functools.partial(mpjax.autocast, dtype=low), loss), w, x)
     assert precisions and set(precisions) == {low}
 
 

@@ -252,25 +252,72 @@ def test_a_jitted_gradient_keeps_no_float32_intermediates_either():
         assert autocast < temp_bytes(handcast)
 
 
+def _sums_of_widened(module: str) -> list[str]:
+    """For each sum in `module` (StableHLO text) of 16-bit values widened, the
+    operation that made the 16-bit values."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+
+    found = []
+
+    def visit(op):
+        made = op.operands[0].owner if op.name == "stablehlo.reduce" else None
+        if isinstance(made, ir.OpView) and made.operation.name == "stablehlo.convert":
+            value = made.operands[0]
+            if str(ir.RankedTensorType(value.type).element_type) in ("f16", "bf16"):
+                owner = value.owner
+                found.append(owner.operation.name if isinstance(owner, ir.OpView) else "argument")
+        return ir.WalkResult.ADVANCE
+
+    with mlir.make_ir_context():
+        ir.Module.parse(module).operation.walk(visit)
+    return found
+
+
 @pytest.mark.parametrize("dtype", [F16, BF16])
-def test_a_gpu_program_hands_the_activations_cotangent_on_in_16_bits(dtype):
-    """XLA:GPU computes in excess precision: it reads a float32 value through its
-    rounding to 16 bits and back. The bias gradient's sum would then read the
-    activation's float32 cotangent, which its backward kernel writes to memory in
-    float32 between two kernels. The program a GPU receives (exported here without
-    one) keeps the rounded cotangent apart, behind an optimization barrier; other
-    backends' programs do not."""
+def test_a_gpu_program_sums_a_bias_gradient_from_the_16_bit_cotangent(dtype):
+    """A bias's gradient sums the 16-bit cotangent its product's backward pass
+    reads too. XLA:GPU computes in excess precision: it reads a widening through
+    the rounding just before it, and would sum the float32 cotangent a GELU's
+    backward pass computes, which its kernel then writes to memory in float32. In
+    the program a GPU receives (exported here without one) the sum reads the
+    negated cotangent, widened, and nothing bars XLA from fusing the sum into the
+    kernel that computes the cotangent; other backends' programs sum it widened."""
     loss = mpjax.autocast(lambda p, x: jnp.sum(_mlp(p, x).astype(F32)), dtype=dtype)
     grad = jax.jit(jax.grad(loss))
 
-    def barriers(platform):
-        module = jax.export.export(grad, platforms=[platform])(_params(), _w(64, 8, seed=4))
-        # single-operand barriers: jax.checkpoint's own take several values
-        return re.findall(r"optimization_barrier %\d+ : tensor<(\w+)>", module.mlir_module())
+    def module(platform):
+        return jax.export.export(grad, platforms=[platform])(_params(), _w(64, 8, seed=4))
 
-    low = jnp.dtype(dtype).name.replace("float", "f").replace("bfloat", "bf")
-    assert barriers("cuda") == [f"64x16x{low}"]  # the GELU's input, 64 x 16
-    assert barriers("cpu") == []
+    cuda, cpu = module("cuda").mlir_module(), module("cpu").mlir_module()
+    # b1's and b2's gradients; both cotangents are roundings of float32 values
+    assert _sums_of_widened(cuda) == ["stablehlo.negate"] * 2
+    assert _sums_of_widened(cpu) == ["stablehlo.convert"] * 2
+    # single-operand barriers: jax.checkpoint's own take several values
+    assert not re.findall(r"optimization_barrier %\d+ : tensor", cuda)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_the_gpu_programs_bias_gradient_is_the_plain_sum(dtype):
+    """``-sum(widen(-ct))``, the GPU program's sum, is the sum, bit for bit: each
+    16-bit value alone (zeros of both signs, subnormals, infinities) widens to
+    itself, and sums over a bias's broadcast axes are the plain sums."""
+    from mpjax import _bias
+
+    every = np.arange(2**16, dtype=np.uint16).view(jnp.dtype(dtype)).reshape(-1, 1)
+    alone = _bias._apart(jnp.asarray(every), None, every.shape)  # nothing summed
+    widened = every.astype(np.float32)
+    nan = np.isnan(widened)
+    np.testing.assert_array_equal(np.isnan(alone), nan)
+    np.testing.assert_array_equal(
+        np.asarray(alone)[~nan].view(np.uint32), widened[~nan].view(np.uint32)
+    )
+    scales = jnp.asarray([1e-6, 1.0, 300.0, 3e4])[:, None, None, None]
+    ct = (scales * jax.random.normal(jax.random.key(0), (4, 64, 8, 4))).astype(dtype)
+    for shape in [(1, 8, 1), (8, 1), (4,), (1, 1, 1, 1)]:
+        chex.assert_trees_all_equal(
+            _bias._apart(ct, None, shape), _bias._summed(ct.astype(F32), shape)
+        )
 
 
 def test_gradients_match_float32_as_before():
