@@ -27,12 +27,13 @@ from mpjax._casting import F32, convert
 
 
 def rounded_bias_add(add, operands, bias: int, low):
-    """``convert(add(*operands), low)``: a float32 product (its accumulator, or its
-    16-bit result widened) plus ``operands[bias]``, a float32 bias it broadcasts,
-    the sum rounded to `low`."""
+    """``convert(add(*operands), low)`` at float32: a product (its float32
+    accumulator, or its 16-bit result) plus ``operands[bias]``, a float32 bias it
+    broadcasts, the sum rounded to `low`. A 16-bit product's cotangent is the
+    16-bit cotangent itself (widening, adding and rounding transpose to nothing)."""
 
     def mpjax_bias_add(*xs):  # the name marks it in jaxprs
-        return convert(add(*xs), low, False)
+        return convert(add(*[convert(x, F32, False) for x in xs]), low, False)
 
     custom = jax.custom_jvp(mpjax_bias_add)
 
@@ -46,12 +47,15 @@ def rounded_bias_add(add, operands, bias: int, low):
             full = [jnp.zeros(x.shape, x.dtype) for x in primals]
             for i, t in zip(live, ts):
                 full[i] = t
-            return convert(add(*full), low, False)
+            return mpjax_bias_add(*full)
 
         def transposed(_, ct):
-            wide = convert(ct, F32, False)  # the product's cotangent
+            wide = convert(ct, F32, False)
             return tuple(
-                _bias_gradient(ct, wide, primals[i].shape) if i == bias else wide for i in live
+                _bias_gradient(ct, wide, primals[i].shape)
+                if i == bias
+                else convert(ct, primals[i].dtype, False)  # the product's
+                for i in live
             )
 
         return out, _compat.linear_call(forward, transposed, (), tuple(tangents[i] for i in live))

@@ -317,20 +317,21 @@ def bias_add(ctx, eqn, vals):
     residual sum reads). None for other products: the caller then runs the add in
     the product's dtype."""
     product = _product_operand(eqn, vals)
-    accumulator = ctx.scope.accumulator(product)
-    if accumulator is None:
-        return None
-    args = [accumulator if x is product else x for x in vals]
-    if any(dtype_of(x) != F32 for x in args):
-        return None
-    if id(eqn) in ctx.float32_sums:
-        return _compat.bind(eqn, *args)
     bias = next(i for i, x in enumerate(vals) if x is not product)
-    rounded = _bias.rounded_bias_add(
-        lambda *xs: _compat.bind(eqn, *xs)[0], args, bias, ctx.region.dtype
-    )
+    rounding = id(eqn) not in ctx.float32_sums
+    if rounding and ctx.scope.kept_no_accumulator(product):
+        operand = product  # widened by the bias add, whose cotangent it takes in 16 bits
+    elif (operand := ctx.scope.accumulator(product)) is None:
+        return None
+    args = [operand if x is product else x for x in vals]
+    if dtype_of(vals[bias]) != F32 or dtype_of(operand) not in (F32, ctx.region.dtype):
+        return None
+    if not rounding:
+        return _compat.bind(eqn, *args)
+    add = lambda *xs: _compat.bind(eqn, *xs)[0]  # noqa: E731
+    rounded = _bias.rounded_bias_add(add, args, bias, ctx.region.dtype)
     # for a residual sum (`residual_operands`): the float32 sum, made if one asks
-    ctx.scope.keep_accumulator(rounded, lambda: _compat.bind(eqn, *args)[0])
+    ctx.scope.keep_accumulator(rounded, lambda: add(*[convert(x, F32, False) for x in args]))
     return [rounded]
 
 

@@ -106,6 +106,12 @@ class Scope:
         16-bit product's rounding widened, made only if a bias add asks)."""
         self._accumulators[id(rounded)] = (rounded, accumulator)
 
+    def kept_no_accumulator(self, rounded) -> bool:
+        """Whether `rounded` is a 16-bit product's result whose float32 value is
+        its own widening (`keep_accumulator` was given a function)."""
+        entry = self._accumulators.get(id(rounded))
+        return entry is not None and callable(entry[1])
+
     def accumulator(self, rounded):
         """The float32 accumulator `rounded` came from in this scope, or None."""
         entry = self._accumulators.get(id(rounded))

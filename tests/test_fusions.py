@@ -252,26 +252,56 @@ def test_a_jitted_gradient_keeps_no_float32_intermediates_either():
         assert autocast < temp_bytes(handcast)
 
 
-def _sums_of_widened(module: str) -> list[str]:
-    """For each sum in `module` (StableHLO text) of 16-bit values widened, the
-    operation that made the 16-bit values."""
+def _walk(module: str, visit) -> None:
+    """Calls ``visit(op, made)`` on each operation of `module` (StableHLO text),
+    where ``made(value)`` is the name of the operation that made `value`."""
     from jax._src.interpreters import mlir
     from jax._src.lib.mlir import ir
 
-    found = []
+    def made(value):
+        owner = value.owner
+        return owner.operation.name if isinstance(owner, ir.OpView) else "argument"
 
-    def visit(op):
-        made = op.operands[0].owner if op.name == "stablehlo.reduce" else None
-        if isinstance(made, ir.OpView) and made.operation.name == "stablehlo.convert":
-            value = made.operands[0]
-            if str(ir.RankedTensorType(value.type).element_type) in ("f16", "bf16"):
-                owner = value.owner
-                found.append(owner.operation.name if isinstance(owner, ir.OpView) else "argument")
+    def each(op):
+        visit(op, made)
         return ir.WalkResult.ADVANCE
 
     with mlir.make_ir_context():
-        ir.Module.parse(module).operation.walk(visit)
+        ir.Module.parse(module).operation.walk(each)
+
+
+def _element_type(value) -> str:
+    from jax._src.lib.mlir import ir
+
+    return str(ir.RankedTensorType(value.type).element_type)
+
+
+def _sums_of_widened(module: str) -> list[str]:
+    """For each sum in `module` of 16-bit values widened, the operation that made
+    the 16-bit values."""
+    found = []
+
+    def visit(op, made):
+        if op.name == "stablehlo.reduce" and made(op.operands[0]) == "stablehlo.convert":
+            value = op.operands[0].owner.operands[0]
+            if _element_type(value) in ("f16", "bf16"):
+                found.append(made(value))
+
+    _walk(module, visit)
     return found
+
+
+def _exact_round_trips(module: str) -> int:
+    """The converts in `module` of widened 16-bit values back to their own dtype."""
+    found = []
+
+    def visit(op, made):
+        if op.name == "stablehlo.convert" and made(op.operands[0]) == "stablehlo.convert":
+            source = op.operands[0].owner.operands[0]
+            found.append(_element_type(source) == _element_type(op.results[0]) != "f32")
+
+    _walk(module, visit)
+    return sum(found)
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16])
@@ -295,6 +325,19 @@ def test_a_gpu_program_sums_a_bias_gradient_from_the_16_bit_cotangent(dtype):
     assert _sums_of_widened(cpu) == ["stablehlo.convert"] * 2
     # single-operand barriers: jax.checkpoint's own take several values
     assert not re.findall(r"optimization_barrier %\d+ : tensor", cuda)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_a_biased_products_backward_pass_takes_the_16_bit_cotangent_as_it_is(dtype):
+    """The cotangent of a bias add's rounded sum reaches the product's backward
+    products as the 16-bit values it is: the lowered gradient widens none of them
+    to float32 only to round it straight back (which XLA would then remove)."""
+    loss = mpjax.autocast(lambda p, x: jnp.sum(_mlp(p, x).astype(F32)), dtype=dtype)
+    for platform in ("cpu", "cuda"):
+        grad = jax.export.export(jax.jit(jax.grad(loss)), platforms=[platform])
+        module = grad(_params(), _w(64, 8, seed=4)).mlir_module()
+        assert _exact_round_trips(module) == 0
+        assert len(_sums_of_widened(module)) == 2  # b1's and b2's gradients
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16])
