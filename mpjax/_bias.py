@@ -41,10 +41,10 @@ def rounded_bias_add(add, operands, bias: int, low):
         out = mpjax_bias_add(*primals)
         live = [i for i, t in enumerate(tangents) if not isinstance(t, _compat.SymbolicZero)]
         if not live:
-            return out, jnp.zeros(out.shape, out.dtype)
+            return out, jnp.zeros_like(out)
 
         def forward(_, ts):
-            full = [jnp.zeros(x.shape, x.dtype) for x in primals]
+            full = [jnp.zeros_like(x) for x in primals]  # with their shardings
             for i, t in zip(live, ts):
                 full[i] = t
             return mpjax_bias_add(*full)

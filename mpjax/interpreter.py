@@ -103,7 +103,8 @@ class Scope:
         other float32 reader reads the 16-bit rounding widened, as torch's do: on
         a GPU the product writes its result to memory, and a float32 one is twice
         the bytes (docs/policy.md). `accumulator` may be a function making it (a
-        16-bit product's rounding widened, made only if a bias add asks)."""
+        16-bit product's rounding widened, made only if a float32 sum asks; a bias
+        add that rounds widens the 16-bit product itself)."""
         self._accumulators[id(rounded)] = (rounded, accumulator)
 
     def kept_no_accumulator(self, rounded) -> bool:

@@ -341,6 +341,17 @@ def test_a_biased_products_backward_pass_takes_the_16_bit_cotangent_as_it_is(dty
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16])
+def test_each_operand_of_a_bias_add_differentiated_alone_gets_its_full_gradient(dtype):
+    x, w, b = _w(4, 8, seed=4), _w(8, 16), _w(16, seed=1)
+    f = mpjax.autocast(lambda x, w, b: jnp.sum(_gelu(x @ w + b).astype(F32) ** 2), dtype=dtype)
+    every = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(x, w, b)
+    for i in range(3):
+        chex.assert_trees_all_equal(jax.jit(jax.grad(f, argnums=i))(x, w, b), every[i])
+    tangent = jax.jvp(f, (x, w, b), (jnp.zeros_like(x), jnp.zeros_like(w), b))[1]
+    chex.assert_trees_all_close(tangent, jnp.vdot(every[2], b), rtol=4 * jnp.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
 def test_the_gpu_programs_bias_gradient_is_the_plain_sum(dtype):
     """``-sum(widen(-ct))``, the GPU program's sum, is the sum, bit for bit: each
     16-bit value alone (zeros of both signs, subnormals, infinities) widens to
