@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax import _compat
+from mpjax import _casting, _compat
 
 LARGE = 2**14
 """Leaves of this many elements or more are checked each by a reduction of its own,
@@ -117,10 +117,12 @@ def _stack(xs: Sequence) -> jax.Array:
     XLA:CPU's layout assignment takes a time quadratic in the number of operands
     of a concatenation into two or more dimensions, which a stack of reshaped
     leaves is; a concatenation of vectors it assigns in linear time. With several
-    devices, a stack along an axis of its own: a concatenation along a leaf's own
-    axis would gather the shards of a sharded leaf, where a stack moves nothing.
+    devices, or leaves sharded on a mesh with explicit axes (even of one device), a
+    stack along an axis of its own: a concatenation along a leaf's own axis would
+    gather the shards of a sharded leaf, where a stack moves nothing.
     """
-    if backend() != "cpu" or jax.device_count() > 1:
+    explicit = _casting.explicit_sharding(jax.typeof(xs[0])) is not None
+    if backend() != "cpu" or jax.device_count() > 1 or explicit:
         return jnp.stack(xs)
     flat = jax.lax.concatenate([jnp.ravel(x) for x in xs], 0)
     return flat.reshape((len(xs), *jnp.shape(xs[0])))
