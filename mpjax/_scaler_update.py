@@ -51,7 +51,9 @@ class ScalerConfig(NamedTuple):
 
 def update(inner, config: ScalerConfig, grads, state, params, extra):
     """The scaler's ``update`` on the gradients of one (micro-)batch."""
-    if config.accumulation_steps == 1:
+    # A state saved mid-way through an effective batch and resumed without
+    # accumulation still holds its micro-batches: they join the next step's.
+    if config.accumulation_steps == 1 and isinstance(state.grad_accumulator, optax.EmptyState):
         updates, state = _step(inner, config, grads, state, params, extra)
     else:
         updates, state = _accumulate(inner, config, grads, state, params, extra)
@@ -240,8 +242,16 @@ def _either(skip, take):
 
 
 def _like(total, grads):
-    """The accumulated gradients in the dtypes of the micro-batch gradients."""
-    return jax.tree.map(lambda t, g: t.astype(g.dtype) if _finite.inexact(g) else g, total, grads)
+    """The accumulated gradients in the dtypes of the micro-batch gradients, which
+    inner's state was made for; float16 ones in the accumulator's: a sum float16
+    cannot hold is not an overflow of the step's (bfloat16 has float32's range)."""
+
+    def one(t, g):
+        if not _finite.inexact(g):
+            return g
+        return t if jnp.result_type(g) == jnp.float16 else t.astype(g.dtype)
+
+    return jax.tree.map(one, total, grads)
 
 
 def _nonfinite_flags(config: ScalerConfig, tree, subtrees, scale, read=None):

@@ -47,6 +47,21 @@ def test_a_run_resumed_with_fewer_accumulation_steps_steps_at_its_next_micro_bat
     chex.assert_trees_all_close(updates, {"w": jnp.full(3, -0.1)})
 
 
+@pytest.mark.parametrize("accumulation", ["sum", "mean"])
+def test_a_run_resumed_without_accumulation_steps_at_its_next_micro_batch(accumulation):
+    old = grad_scaler(optax.sgd(1.0), accumulation_steps=2, accumulation=accumulation)
+    new = grad_scaler(optax.sgd(1.0))
+    state = old.init(PARAMS)
+    _, state = old.update(GRADS, state, PARAMS)  # saved at micro-step 1 of 2
+    weight = 0.5 if accumulation == "mean" else 1.0  # the saved micro-batch's, as saved
+    for step in range(3):
+        updates, state = jax.jit(new.update)({"w": jnp.full(3, 2.0)}, state, PARAMS)
+        # The saved micro-batch is in the first step's gradients, and only there.
+        want = -(2.0 + weight) if step == 0 else -2.0
+        chex.assert_trees_all_equal(updates, {"w": jnp.full(3, want)})
+        assert int(state.micro_step) == 0 and bool(scaler_stats(state)["step_applied"])
+
+
 def test_set_scale_on_a_disabled_scalers_state_is_kept():
     state = _resumed(noop_scaler(optax.sgd(0.1)), grad_scaler(optax.sgd(0.1)), 1)
     state = mpjax.set_scale(state, 1024.0)

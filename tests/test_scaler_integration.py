@@ -433,6 +433,25 @@ def test_accumulation_skips_the_effective_batch_with_an_inf():
     chex.assert_trees_all_equal(updates, jnp.array([-0.5, -0.5]))
 
 
+def test_accumulated_float16_gradients_are_checked_and_applied_as_their_float32_sum():
+    # Two finite float16 micro-batches whose sum float16 cannot hold: the step
+    # takes the float32 sum (no skip, no backoff); bfloat16 ones keep their dtype.
+    tx = grad_scaler(optax.adam(1.0), init_scale=1.0, accumulation_steps=2, accumulation="sum")
+    params = {"w": jnp.zeros(2), "h": jnp.zeros(2, jnp.bfloat16)}
+    grads = {"w": jnp.array([40000.0, 1.0], jnp.float16), "h": jnp.ones(2, jnp.bfloat16)}
+    state = tx.init(params)
+    for _ in range(2):
+        updates, state = jax.jit(tx.update)(grads, state, params)
+    assert not bool(state.last_step_skipped) and float(state.scale) == 1.0
+    want, want_state = optax.adam(1.0).update(
+        {"w": jnp.array([80000.0, 2.0]), "h": jnp.full(2, 2.0, jnp.bfloat16)},
+        optax.adam(1.0).init(params),
+    )
+    chex.assert_trees_all_close(updates, want, rtol=1e-6)  # an ulp: XLA fuses adam
+    chex.assert_trees_all_close(state.inner_state, want_state, rtol=1e-6)
+    chex.assert_trees_all_equal_dtypes(state.inner_state, want_state)
+
+
 def test_accumulation_matches_one_big_batch_and_leaves_inner_alone_in_between():
     inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
     acc = grad_scaler(inner, init_scale=2.0**6, accumulation_steps=4, accumulation="mean")
