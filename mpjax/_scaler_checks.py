@@ -131,8 +131,9 @@ def check_no_float16(params, inner, inner_state, name: str = "grad_scaler") -> N
 
     An optimizer's small constants underflow in float16 (adam's eps=1e-8 is 0), so
     its updates are not finite and every step would be skipped. A parameter is
-    frozen when its update depends on no input of ``inner.update`` (the constant
-    zeros of ``optax.set_to_zero`` in an ``optax.multi_transform``).
+    frozen when its update depends on no input of ``inner.update``, or is zeros
+    whatever they hold: those of ``optax.set_to_zero`` in an
+    ``optax.multi_transform``, also where a schedule or a clip follows.
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     half = [i for i, (_, leaf) in enumerate(flat) if jnp.result_type(leaf) == jnp.float16]
@@ -155,22 +156,85 @@ def check_no_float16(params, inner, inner_state, name: str = "grad_scaler") -> N
 
 def _moved_leaves(params, inner, inner_state, treedef) -> list[bool]:
     """For each parameter leaf, whether its update depends on the inputs of
-    ``inner.update`` (gradients, state, parameters); all True if unknown."""
+    ``inner.update`` (gradients, state, parameters) and is not always zero; all True
+    if unknown."""
     unknown = [True] * treedef.num_leaves
-    try:
-        closed = jax.make_jaxpr(lambda g, s, p: inner.update(g, s, p)[0])(
-            params, inner_state, params
-        )
-    except Exception:  # an optimizer that needs more than (grads, state, params)
+    # An optimizer may need the loss too (optax.contrib.reduce_on_plateau).
+    closed = _updates_jaxpr(inner, params, inner_state, {})
+    if closed is None:
+        closed = _updates_jaxpr(inner, params, inner_state, {"value": jnp.zeros([])})
+    if closed is None:
         return unknown
-    jaxpr = closed.jaxpr
+    jaxpr, consts = _compat.jaxpr_and_consts(closed)
     if len(jaxpr.outvars) != len(unknown):  # updates not shaped as the parameters
         return unknown
     live = set(jaxpr.invars)
     for eqn in jaxpr.eqns:
         if any(not isinstance(v, _compat.Literal) and v in live for v in eqn.invars):
             live.update(eqn.outvars)
-    return [not isinstance(v, _compat.Literal) and v in live for v in jaxpr.outvars]
+    zero = _zero_outputs(jaxpr, consts, [False] * len(jaxpr.invars))
+    return [
+        not isinstance(v, _compat.Literal) and v in live and not z
+        for v, z in zip(jaxpr.outvars, zero)
+    ]
+
+
+def _updates_jaxpr(inner, params, inner_state, extra):
+    """The jaxpr of inner's updates, or None if inner needs other arguments."""
+    try:
+        return jax.make_jaxpr(lambda g, s, p: inner.update(g, s, p, **extra)[0])(
+            params, inner_state, params
+        )
+    except Exception:  # an optimizer that needs more than (grads, state, params)
+        return None
+
+
+# The zeros of ``optax.set_to_zero`` stay zeros through what follows it in a chain:
+# a schedule's learning rate multiplies them, a clip divides them, a sum adds them.
+# (Times an inf or a NaN they would not be, but such a learning rate ruins the
+# parameters that train too.) A primitive's results are zeros where any operand
+# is, where every operand is, or, for ``div``, where the numerator is.
+_ZERO_IF_ANY = frozenset({"mul", "dot_general"})
+_ZERO_IF_ALL = frozenset({
+    "add", "add_any", "sub", "neg", "abs", "max", "min", "convert_element_type", "copy",
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "reduce_sum",
+    "concatenate", "pad", "slice", "sharding_constraint",
+})  # fmt: skip
+
+
+def _zero_outputs(jaxpr, consts, zero_inputs: list[bool]) -> list[bool]:
+    """For each output of `jaxpr`, whether it is zeros whatever the inputs not
+    marked in `zero_inputs` hold."""
+    zero = {v for v, z in zip(jaxpr.invars, zero_inputs) if z}
+    zero.update(v for v, c in zip(jaxpr.constvars, consts) if _all_zeros(c))
+
+    def is_zero(v) -> bool:
+        return _all_zeros(v.val) if isinstance(v, _compat.Literal) else v in zero
+
+    for eqn in jaxpr.eqns:
+        operands, name = [is_zero(v) for v in eqn.invars], eqn.primitive.name
+        callee = eqn.params.get("jaxpr") if name in ("jit", "pjit", "closed_call") else None
+        if callee is not None:
+            outs = _zero_outputs(*_compat.jaxpr_and_consts(callee), operands)
+        elif name in _ZERO_IF_ANY:
+            outs = [any(operands)] * len(eqn.outvars)
+        elif name in _ZERO_IF_ALL or name == "select_n":
+            # select_n's first operand is the predicate: the cases decide.
+            cases = operands[1:] if name == "select_n" else operands
+            outs = [bool(cases) and all(cases)] * len(eqn.outvars)
+        else:
+            outs = [name == "div" and operands[0]] * len(eqn.outvars)
+        zero.update(v for v, z in zip(eqn.outvars, outs) if z)
+    return [is_zero(v) for v in jaxpr.outvars]
+
+
+def _all_zeros(value) -> bool:
+    if _compat.is_tracer(value):
+        return False
+    try:
+        return bool(np.all(np.asarray(value) == 0))
+    except TypeError:  # not numbers (a typed PRNG key)
+        return False
 
 
 def check_static_scale(scale) -> float:

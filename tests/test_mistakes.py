@@ -208,6 +208,38 @@ def test_frozen_float16_parameters_are_accepted_and_stay_frozen():
         mpjax.grad_scaler(masked).init(params)
 
 
+_AFTER = {
+    "schedule": lambda: optax.scale_by_learning_rate(optax.cosine_decay_schedule(1e-2, 100)),
+    "clip": lambda: optax.clip_by_global_norm(1.0),
+    "schedule and decay": lambda: optax.chain(
+        optax.scale_by_schedule(optax.linear_schedule(1.0, 0.1, 10)),
+        optax.add_decayed_weights(1e-2, mask={"backbone": False, "head": True}),
+    ),
+    "plateau": lambda: optax.contrib.reduce_on_plateau(),
+}
+
+
+@pytest.mark.parametrize("after", sorted(_AFTER))
+def test_frozen_float16_parameters_are_accepted_whatever_follows_their_zeros(after):
+    # The zeros of set_to_zero, scaled by a schedule or clipped, are still zeros.
+    params = {"backbone": jnp.ones((4, 4), jnp.float16), "head": jnp.ones((4, 2))}
+    frozen = {"backbone": "frozen", "head": "train"}
+    inner = optax.chain(
+        optax.multi_transform({"train": optax.adam(1e-3), "frozen": optax.set_to_zero()}, frozen),
+        _AFTER[after](),
+    )
+    tx = mpjax.grad_scaler(inner)
+    state = tx.init(params)
+    grads = {"backbone": jnp.ones((4, 4), jnp.float16), "head": jnp.ones((4, 2))}
+    extra = {"value": jnp.float32(1.0)} if after == "plateau" else {}
+    updates, _ = jax.jit(tx.update)(grads, state, params, **extra)
+    chex.assert_trees_all_equal(updates["backbone"], jnp.zeros((4, 4), jnp.float16))
+    # Weight decay after them moves a float16 parameter: refused.
+    decayed = optax.chain(inner, optax.add_decayed_weights(1e-2))
+    with pytest.raises(ValueError, match=r"\['backbone'\] are float16.*optax.set_to_zero"):
+        mpjax.grad_scaler(decayed).init(params)
+
+
 def test_inner_non_finite_updates_neither_grow_nor_back_off_the_scale():
     # adam with eps=0 on zero gradients: 0/0 updates from finite gradients, which
     # check_updates=True skips.
