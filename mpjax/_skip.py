@@ -124,7 +124,9 @@ def select(pred: jax.Array, on_true, on_false):
     predicates: dict = {}
 
     def one(t, f):
+        # Either may be the explicitly sharded one (zeros made with no mesh set are not).
         f = _sharded_as(f, t)
+        t = _sharded_as(t, f)
         if jnp.result_type(t) != jnp.result_type(f) or jnp.shape(t) != jnp.shape(f):
             return jnp.where(pred, t, f)  # rare: an inner that retypes its state
         return lax.select_n(_predicate(pred, t, predicates), f, t)
