@@ -267,6 +267,27 @@ def test_custom_vjp_runs_as_written():
     assert got.dtype == F32
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_custom_vjp_rule_gets_a_constant_argument_as_an_array(jit):
+    # A small constant is inlined into the trace; the rules see it as the user made
+    # it, a JAX array they index with `.at` or with a traced loop index.
+    @jax.custom_vjp
+    def weighted(x, c):
+        return x * c[0]
+
+    def bwd(c, g):
+        summed = lax.fori_loop(0, 2, lambda i, a: a + g * c[i], jnp.zeros_like(g))
+        return summed * c.at[0].set(5.0)[0], jnp.zeros_like(c)
+
+    weighted.defvjp(lambda x, c: (weighted(x, c), c), bwd)
+
+    def f(x):
+        return jnp.sum(weighted(x, jnp.array([2.0, 3.0])))
+
+    grad = jax.jit(jax.grad(mpjax.autocast(f))) if jit else jax.grad(mpjax.autocast(f))
+    chex.assert_trees_all_equal(grad(jnp.ones(3)), jax.grad(f)(jnp.ones(3)))
+
+
 def test_unknown_primitive_runs_at_its_original_dtypes():
     def f(w, x):
         a = x @ w
