@@ -211,10 +211,14 @@ def policy_markdown() -> str:
         for prim, rule in overrides.items():
             out.append(f"| `{prim}` | `Rule.{policy.rule_for(prim).name}` | `Rule.{rule.name}` |")
         out.append(
-            "\nA gather of single elements keeps the default rule under `lean` too: "
-            "`x[i]` of a vector, `jnp.searchsorted`, `jnp.interp`, `jnp.median` and "
-            "`take_along_axis` look up values to compare or return, and rounded they "
-            "would fall in other bins. Rows (an embedding lookup) are rounded.\n"
+            "\nA gather is rounded only where it reads a float32 array the function "
+            "(or a jitted function it calls, such as `jnp.take`) receives, as an "
+            "embedding lookup reads its table. A quantile, `jnp.median` or "
+            "`jnp.percentile` along an axis gathers rows of values it sorted itself: "
+            "it keeps the default rule, as rounding would move the values it returns "
+            "(past 65504, to inf in float16). So does a gather of single elements "
+            "(`x[i]` of a vector, `jnp.searchsorted`, `jnp.interp`, "
+            "`take_along_axis`), whose values, rounded, would fall in other bins.\n"
         )
 
     out.append("## Higher-order primitives\n")

@@ -77,6 +77,10 @@ def policy_rule(ctx, eqn, vals, weak):
     rule = Rule.ORIGINAL if low is None else policy.equation_rule(eqn, lean=lean)
     if rule is not Rule.ORIGINAL and not lean and id(eqn) in ctx.max_shifts:
         rule = Rule.FLOAT32  # the shift of a softmax, part of its exp (`_shifts.max_shifts`)
+    if rule is Rule.LOW and lean and eqn.primitive.name == "gather":
+        # An embedding's table is a parameter; other gathers (a quantile's, of
+        # sorted values) read data, which rounding would move, past 65504 to inf.
+        rule = rule if fusions.parameters(ctx, eqn, vals)[0] is not None else Rule.AS_RECEIVED
     if rule is Rule.LOW and _products.runs_as_written(eqn, vals):
         rule = Rule.ORIGINAL
     if rule is Rule.LOW and not _constants.scales_fit(ctx.scope, vals, low):

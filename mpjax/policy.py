@@ -198,7 +198,9 @@ LAYOUT = frozenset({
 CARRY_PARAMETERS = LAYOUT | frozenset({"all_gather", "all_gather_invariant"})
 
 # The memory-lean policy changes these rules. An embedding lookup gathers from a
-# low-precision table, so the activations it starts are low precision.
+# low-precision table, so the activations it starts are low precision. (Of a
+# float32 parameter only: a gather of data, a quantile's, keeps its rule,
+# `mpjax.first_order.policy_rule`.)
 LEAN_OVERRIDES: dict[str, Rule] = {"gather": Rule.LOW}
 
 assert len(POLICY) == (len(LOW_PRECISION) + len(FLOAT32) + len(WIDEST) + len(AS_RECEIVED)), (

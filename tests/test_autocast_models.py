@@ -138,6 +138,24 @@ def test_lean_policy_looks_up_single_elements_exactly(dtype):
         chex.assert_trees_all_equal(mpjax.autocast(f, dtype=dtype, policy="lean")(*args), f(*args))
 
 
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_lean_policy_gathers_data_along_an_axis_exactly(dtype):
+    # A quantile along an axis gathers rows of the values it sorted: data returned,
+    # not the rows of an embedding's table, and past 65504 they were inf in float16.
+    x = jnp.array([[1.0001, 1e5, 7e4, 2.5, 3.0], [1.0007, 2.0, 3.0, 4.0, 8e4]])
+    cases = [
+        lambda x: jnp.median(x, axis=1),
+        lambda x: jnp.quantile(x, 0.3, axis=0),
+        lambda x: jnp.nanpercentile(x, 70.0, axis=1),
+    ]
+    for f in cases:
+        lean = mpjax.autocast(f, dtype=dtype, policy="lean")
+        chex.assert_trees_all_equal(jax.jit(lean)(x), jax.jit(f)(x))
+        chex.assert_trees_all_equal(
+            jax.grad(lambda x: jnp.sum(lean(x)))(x), jax.grad(lambda x: jnp.sum(f(x)))(x)
+        )
+
+
 def test_lean_policy_keeps_the_users_float16_data_out_of_bfloat16():
     # A float32-list operation on float16 data in a bfloat16 region computes in
     # float32 and hands on float16, the program's own dtype: no bfloat16 rounding.
