@@ -275,10 +275,11 @@ def _wrap_module(fun, bound, region: Region, enabled: bool):
 
 
 _STATIC_HINT = (
-    "mpjax.autocast traces `fun` with its array arguments abstract, so Python "
-    "control flow (if, while, bool(), int()) must not depend on array values. Pass "
-    "such flags as Python bools or ints (autocast hands non-array arguments to `fun` "
-    "unchanged), close over them, or use lax.cond / jnp.where."
+    "mpjax.autocast traces `fun` with its array arguments abstract, as jax.jit does, "
+    "so Python control flow (if, while, bool(), int()) and NumPy (np.asarray, "
+    ".item()) must not depend on array values. Pass such flags as Python bools or "
+    "ints (autocast hands non-array arguments to `fun` unchanged), close over them, "
+    "or use lax.cond / jnp.where and jnp in place of np."
 )
 
 
@@ -327,6 +328,7 @@ def trace_arrays(fun, args, kwargs, cache: _trace_cache.TraceCache | None = None
                 jax.errors.ConcretizationTypeError,
                 jax.errors.TracerBoolConversionError,
                 jax.errors.TracerIntegerConversionError,
+                jax.errors.TracerArrayConversionError,
             ),
         ) or re.search(r"Traced<|Tracer\(", str(e)):
             e.add_note(_STATIC_HINT)

@@ -352,6 +352,12 @@ def test_array_in_python_control_flow_explains_the_fix():
     assert "Pass such flags as Python bools or ints" in "".join(info.value.__notes__)
 
 
+def test_numpy_on_an_array_argument_explains_the_fix():
+    with pytest.raises(jax.errors.TracerArrayConversionError) as info:
+        mpjax.autocast(lambda x: np.asarray(x) * 2)(_w(2))
+    assert "jnp in place of np" in "".join(info.value.__notes__)
+
+
 def test_failures_are_reported_against_the_users_line():
     def f(x, idx):
         return jnp.sum(x @ x) + jax.pure_callback(
