@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpjax import _compat
+from mpjax import _leaves
 from mpjax import _linen
 from mpjax import _nnx
 from mpjax import _trace_cache
@@ -63,10 +64,6 @@ def _check_reduce_dtype(reduce_dtype, low: np.dtype) -> bool:
             f"jnp.{low.name}, the autocast dtype (all-reduced in 16 bits, half the bandwidth)."
         )
     return resolved == low
-
-
-def _is_array(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def autocast(
@@ -293,7 +290,7 @@ def trace_arrays(fun, args, kwargs, cache: _trace_cache.TraceCache | None = None
     `cache`, a call of a signature traced before reuses its trace.
     """
     leaves, treedef = jax.tree.flatten((args, kwargs))
-    dynamic = [i for i, x in enumerate(leaves) if _is_value(x)]
+    dynamic = [i for i, x in enumerate(leaves) if _leaves.is_value(x)]
     dynamic_leaves = [leaves[i] for i in dynamic]
     key = None if cache is None else cache.key(leaves, treedef, dynamic)
     hit = None if cache is None else cache.get(key)
@@ -311,8 +308,11 @@ def trace_arrays(fun, args, kwargs, cache: _trace_cache.TraceCache | None = None
         out_leaves, out_tree = jax.tree.flatten(fun(*a, **k))
         # Arrays are the program's outputs; anything else (a string tag) is
         # handed back as it is, as `fun` returns it without autocast.
-        returned[:] = [out_tree, [None if _is_output(x) else x for x in out_leaves]]
-        return [x for x in out_leaves if _is_output(x)]
+        for x in out_leaves:
+            if not _leaves.is_output(x):
+                _leaves.check_returned(fun, x)
+        returned[:] = [out_tree, [None if _leaves.is_output(x) else x for x in out_leaves]]
+        return [x for x in out_leaves if _leaves.is_output(x)]
 
     # JAX's errors name `fun` and its line, but not its parameters: this takes
     # the array leaves only, not `fun`'s arguments.
@@ -357,7 +357,7 @@ def _autocast_call(fun, region: Region, args, kwargs, cache=None):
     outs = iter(outs)
     result = jax.tree.unflatten(
         out_tree,
-        [_output(ctx, next(outs), s) if _is_output(s) else s for s in out_leaves],
+        [_output(ctx, next(outs), s) if _leaves.is_output(s) else s for s in out_leaves],
     )
     ctx.scope.release()
     return result
@@ -370,18 +370,3 @@ def _output(ctx: Context, out, shape):
     # A weakly typed output (``s * 2`` of a weak `s`) stays weak, for what it meets next.
     weaken = shape.weak_type and not jax.typeof(out).weak_type
     return _compat.with_weak_type(out, True) if weaken else out
-
-
-def _is_value(x) -> bool:
-    """Whether an argument leaf is traced: an array, or the shape of one."""
-    return _is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
-
-
-def _is_output(x) -> bool:
-    """Whether `x` is an output of the traced program (its shape, once traced).
-
-    A Python number or a NumPy value `fun` returns depends on no traced value:
-    it comes back as it is (``2**40`` or ``1e300`` would not survive a float32 or
-    int32 array).
-    """
-    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))

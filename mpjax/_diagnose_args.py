@@ -17,6 +17,7 @@ from mpjax.scaler_state import get_scale
 
 DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16}
 _DEFAULT_SCALE = {"float16": 2.0**16, "bfloat16": 1.0}
+_MAX_F32 = float(np.finfo(np.float32).max)
 
 
 def check_options(loss_fn, dtype, has_aux, policy) -> list[str]:
@@ -65,9 +66,10 @@ def check_scale(scale, dtype: str) -> float:
                 f"mpjax.grad_scaler's state; got a {type(scale).__name__} without one. "
                 f"({e})"
             ) from None
-    if not (math.isfinite(value) and value >= 2.0**-126):
+    if not (math.isfinite(value) and 2.0**-126 <= value <= _MAX_F32):
         raise ValueError(
-            f"diagnose(scale={value!r}): the loss scale must be a finite number >= 2**-126."
+            f"diagnose(scale={value!r}): the loss scale must be a finite float32 number, "
+            f">= 2**-126 and <= {_MAX_F32!r}."
         )
     return value
 
@@ -106,12 +108,12 @@ def problem(loss_fn, params, batch, has_aux) -> Problem:
 
         params = state
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    if any(
-        isinstance(x, jax.core.Tracer) for x in [*(x for _, x in flat), *jax.tree.leaves(batch)]
-    ):
+    leaves = [*(x for _, x in flat), *jax.tree.leaves(batch)]
+    if any(isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)) for x in leaves):
         raise TypeError(
             "diagnose runs one step eagerly, on concrete values: call it outside jax.jit, "
-            "grad or vmap, on the arrays you would pass to your training step."
+            "grad or vmap, on the arrays you would pass to your training step (not "
+            "jax.ShapeDtypeStruct: mpjax.audit takes shapes alone)."
         )
     where = [i for i, (_, x) in enumerate(flat) if is_float(x)]
     if not where:

@@ -200,7 +200,8 @@ def _last_uses(jaxpr) -> dict[int, set]:
             if not isinstance(v, _compat.Literal):
                 last[v] = i
     for v in jaxpr.outvars:
-        last.pop(v, None)
+        if not isinstance(v, _compat.Literal):  # a constant output (an unused parameter's 0)
+            last.pop(v, None)
     out: dict[int, set] = {}
     for v, i in last.items():
         out.setdefault(i, set()).add(v)

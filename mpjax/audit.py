@@ -32,7 +32,8 @@ class Equation(NamedTuple):
     in_dtypes: tuple[str, ...]
     out_dtypes: tuple[str, ...]
     path: str
-    """Where it sits: the higher-order primitives around it, e.g. ``"scan/jit"``."""
+    """Where it sits: the higher-order primitives around it, e.g. ``"scan/cond"``
+    (not ``jit``: autocast inlines nested jits)."""
     source: str
     """The user's line that produced it."""
 

@@ -48,6 +48,8 @@ remaining inputs.
 | integer inputs (int8 matmuls included), float64 inputs under ``jax.enable_x64`` | run untouched: same values bit for bit, same dtypes, no cast inserted; float64 gradients stay float64 |
 """
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -130,6 +132,31 @@ def test_non_array_outputs_come_back_as_returned():
         np.testing.assert_array_equal(got[0], want[0])
     grad = jax.grad(lambda x: mpjax.autocast(f)(x, 2)[0])(x)
     np.testing.assert_array_equal(grad, jnp.ones((2, 3)))
+
+
+@pytest.mark.filterwarnings("ignore:Python iterable type 'generator'")
+def test_an_object_holding_arrays_that_is_no_pytree_is_refused_when_returned():
+    # Handed back as it is, it would hold values of the finished trace.
+    @dataclasses.dataclass
+    class Out:
+        y: object
+
+    x = jnp.ones((2, 3))
+    for f in (lambda x: Out(x @ x.T), lambda x: (v for v in [x @ x.T])):
+        with pytest.raises(
+            TypeError, match=r"autocast\(<lambda>\): .* not a pytree.*register_dataclass"
+        ):
+            mpjax.autocast(f)(x)
+    assert mpjax.autocast(lambda x: (x.sum(), Out(5)))(x)[1] == Out(5)  # no arrays: as returned
+
+
+def test_numpy_strings_reach_fun_unchanged():
+    def f(x, names):
+        return x * len(names) if names[0] == "a" else x
+
+    x = jnp.ones(3)
+    for names in (np.array(["a", "b"]), np.str_("a"), np.array(["b"])):
+        chex.assert_trees_all_equal(mpjax.autocast(f)(x, names), f(x, names))
 
 
 def test_a_generator_function_is_refused_when_wrapped():

@@ -284,6 +284,20 @@ def test_nnx_module_both_dtypes_and_sharded_batch():
     jax.tree.map(np.testing.assert_array_equal, before, after)
 
 
+@pytest.mark.parametrize("case", ["unused parameter", "constant branch", "constant loss"])
+def test_a_step_with_a_constant_result_is_reported(case):
+    w, x = jnp.full((4, 3), 0.1), jnp.ones((2, 4))
+    params, loss_fn = {"w": w}, lambda p, x: jnp.mean(x @ p["w"])
+    if case == "unused parameter":  # its gradient is the constant 0
+        params = {"w": w, "t": jnp.float32(1.0)}
+    elif case == "constant branch":
+        loss_fn = lambda p, x: lax.cond(x[0, 0] < 0, lambda: jnp.mean(x @ p["w"]), lambda: 0.0)  # noqa: E731
+    else:
+        loss_fn = lambda p, x: 1.0  # noqa: E731
+    report = mpjax.diagnose(loss_fn, params, x)
+    assert report.runs and "float16" in str(report)
+
+
 def test_bad_input():
     def loss_fn(w, x):
         return jnp.sum(x @ w)
@@ -299,6 +313,10 @@ def test_bad_input():
         mpjax.diagnose(loss_fn, w, x, scale={"lr": 0.1})
     with pytest.raises(ValueError, match=r"scale must be a scalar, got an array of shape \(1,\)"):
         mpjax.diagnose(loss_fn, w, x, scale=jnp.array([8.0]))
+    with pytest.raises(ValueError, match=r"diagnose\(scale=1e\+40\).*finite float32"):
+        mpjax.diagnose(loss_fn, w, x, scale=1e40)
+    with pytest.raises(TypeError, match="concrete values.*ShapeDtypeStruct"):
+        mpjax.diagnose(loss_fn, jax.ShapeDtypeStruct((4, 2), jnp.float32), x)
     with pytest.raises(ValueError, match="no floating-point arrays"):
         mpjax.diagnose(loss_fn, {"n": jnp.arange(3)}, x)
     with pytest.raises(TypeError, match="has_aux=True"):

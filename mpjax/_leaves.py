@@ -1,0 +1,55 @@
+"""Which leaves of an autocast function's arguments it traces, and which leaves of
+its results are outputs of the traced program; every other leaf is handed over as
+it is, as the function gives or returns it without autocast."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import jax
+import numpy as np
+
+from mpjax import _compat
+
+
+def is_value(x) -> bool:
+    """Whether an argument leaf is traced: an array of numbers (JAX's or NumPy's:
+    NumPy strings and objects, which JAX cannot trace, are not), or the shape of one."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        return x.dtype.kind not in "OSUV"
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+
+
+def is_output(x) -> bool:
+    """Whether a result leaf is an output of the traced program (its shape, once traced).
+
+    A Python number or a NumPy value `fun` returns depends on no traced value:
+    it comes back as it is (``2**40`` or ``1e300`` would not survive a float32 or
+    int32 array).
+    """
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+
+
+def check_returned(fun, x) -> None:
+    """Refuses a result leaf that is not an output but holds one: an object JAX does
+    not see into (a dataclass that is no pytree) would come back holding values of
+    the trace, which fail when used. As `jax.jit`, a TypeError; it names the fix."""
+    if inspect.isgenerator(x):
+        held = True
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        held = any(_traced(getattr(x, f.name, None)) for f in dataclasses.fields(x))
+    else:
+        held = any(_traced(v) for v in getattr(x, "__dict__", {}).values())
+    if held:
+        name = getattr(fun, "__name__", "fun")
+        raise TypeError(
+            f"autocast({name}): it returned a {type(x).__name__}, which holds or yields "
+            "arrays but is not a pytree: autocast cannot hand its arrays back. Register "
+            "the class as a pytree (jax.tree_util.register_dataclass, "
+            "flax.struct.dataclass), or return the arrays in a tuple, list or dict."
+        )
+
+
+def _traced(value) -> bool:
+    return any(_compat.is_tracer(leaf) for leaf in jax.tree.leaves(value))
