@@ -291,9 +291,9 @@ def test_a_step_with_a_constant_result_is_reported(case):
     if case == "unused parameter":  # its gradient is the constant 0
         params = {"w": w, "t": jnp.float32(1.0)}
     elif case == "constant branch":
-        loss_fn = lambda p, x: lax.cond(x[0, 0] < 0, lambda: jnp.mean(x @ p["w"]), lambda: 0.0)  # noqa: E731
+        loss_fn = lambda p, x: lax.cond(x[0, 0] < 0, lambda: jnp.mean(x @ p["w"]), lambda: 0.0)
     else:
-        loss_fn = lambda p, x: 1.0  # noqa: E731
+        loss_fn = lambda p, x: 1.0
     report = mpjax.diagnose(loss_fn, params, x)
     assert report.runs and "float16" in str(report)
 
