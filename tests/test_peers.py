@@ -5,6 +5,7 @@ import pathlib
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 pytest.importorskip("flax")
@@ -144,4 +145,16 @@ def test_compare_pairs_the_batches_of_two_runs():
         "2.0e-03",
         "2.0e-03",
         "2/3",
+    ]
+
+
+def test_a_sum_over_axes_of_size_one_is_no_16_bit_sum():
+    # It adds nothing, and JAX's jax_allow_f16_reductions=False guard lets it pass.
+    x = jnp.ones((4, 1, 3), jnp.float16)
+    with jax.allow_f16_reductions(True):
+        nothing = jax.make_jaxpr(lambda x: jax.lax.reduce(x, 0.0, jax.lax.add, (1,)))(x)
+        four = jax.make_jaxpr(lambda x: jax.lax.reduce(x, 0.0, jax.lax.add, (0, 1)))(x)
+    assert harness.find_16bit_reductions(nothing) == []
+    assert [s.split(" @ ")[0] for s in harness.find_16bit_reductions(four)] == [
+        "reduce_sum float16[4,1,3]"
     ]

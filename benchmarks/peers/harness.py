@@ -189,6 +189,8 @@ def _is_16bit_reduction(eqn) -> bool:
     name = eqn.primitive.name
     if name not in REDUCTIONS:
         return False
+    if name == "reduce_sum" and all(eqn.invars[0].aval.shape[a] == 1 for a in eqn.params["axes"]):
+        return False  # over axes of size 1: adds nothing (JAX's guard lets it pass too)
     if name in ("scatter-add", "scatter_add"):
         operands = [eqn.invars[0], eqn.invars[-1]]  # operand, updates
     else:
