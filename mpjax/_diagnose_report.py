@@ -199,6 +199,11 @@ class DiagnoseReport:
         Returns:
           The ``matplotlib.figure.Figure``.
         """
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise TypeError(
+                f"DiagnoseReport.plot(path): path must be a file name (a str or a "
+                f"pathlib.Path) or None, got {type(path).__name__} {path!r}."
+            )
         from mpjax._diagnose_plot import draw  # matplotlib is imported there, only now
 
         return draw(self, path, RANGES)

@@ -258,6 +258,8 @@ def test_text_plot_and_dict(forward_report, tmp_path):
     path = tmp_path / "ranges.png"
     forward_report.plot(path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(TypeError, match=r"plot\(path\): path must be a file name .* got int 3"):
+        forward_report.plot(3)
 
 
 def test_nnx_module_both_dtypes_and_sharded_batch():
