@@ -279,6 +279,13 @@ _STATIC_HINT = (
     "or use lax.cond / jnp.where and jnp in place of np."
 )
 
+_CLOSED_OVER_HINT = (
+    "mpjax.autocast traces `fun` as jax.jit does: an NNX module `fun` closes over "
+    "cannot be changed from inside (BatchNorm statistics, RNG counters). Pass the "
+    "module as an argument, autocast(loss)(model, x), or make it the function, "
+    "autocast(model)(x); or call model.eval() first if the call should change nothing."
+)
+
 
 def trace_arrays(fun, args, kwargs, cache: _trace_cache.TraceCache | None = None):
     """Traces ``fun(*args, **kwargs)`` with the array leaves abstract.
@@ -332,6 +339,8 @@ def trace_arrays(fun, args, kwargs, cache: _trace_cache.TraceCache | None = None
             ),
         ) or re.search(r"Traced<|Tracer\(", str(e)):
             e.add_note(_STATIC_HINT)
+        elif type(e).__name__ == "TraceContextError":  # Flax's: a module closed over
+            e.add_note(_CLOSED_OVER_HINT)
         raise
     out_tree, statics = returned
     shapes = iter(shapes)

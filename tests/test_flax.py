@@ -233,6 +233,11 @@ def test_nnx_module_closed_over_by_a_jax_transform_is_read_and_left_whole(low):
     with pytest.raises(TypeError, match="closes over.*nnx.jit"):
         jax.jit(mpjax.autocast(model, dtype=low))(x)
     chex.assert_trees_all_equal(nnx.state(model), before)
+    # A function closing over it: Flax's error, with mpjax's note naming the fix.
+    with pytest.raises(Exception, match="different trace level") as info:
+        mpjax.autocast(lambda x: model(x), dtype=low)(x)
+    assert "Pass the module as an argument" in "".join(info.value.__notes__)
+    chex.assert_trees_all_equal(nnx.state(model), before)
     nnx.jit(mpjax.autocast(lambda m, x: m(x), dtype=low))(model, x)  # passed through: kept
     moved = jax.tree.leaves(nnx.state(model, nnx.BatchStat))
     assert not any(map(np.array_equal, moved, jax.tree.leaves(nnx.filter_state(before, nnx.BatchStat))))
