@@ -16,14 +16,9 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from mpjax import _compat
-from mpjax import _constants
-from mpjax import _products, _shifts
-from mpjax import fusions
-from mpjax import policy
+from mpjax import _compat, _constants, _products, fusions, policy
 from mpjax._casting import F32, convert, dtype_of, explicit_sharding, fewer, is_concrete, size
 from mpjax._pointwise import bind_quotient
 from mpjax.policy import Rule
@@ -79,7 +74,7 @@ def policy_rule(ctx, eqn, vals, weak):
         rule = Rule.FLOAT32  # the shift of a softmax, part of its exp (`_shifts.max_shifts`)
     if rule is Rule.LOW and lean and eqn.primitive.name == "gather":
         # An embedding's table is a parameter; other gathers (a quantile's, of
-        # sorted values) read data, which rounding would move, past 65504 to inf.
+        # sorted values) read data, which rounding would move (past 65504, to inf).
         rule = rule if fusions.parameters(ctx, eqn, vals)[0] is not None else Rule.AS_RECEIVED
     if rule is Rule.LOW and _products.runs_as_written(eqn, vals):
         rule = Rule.ORIGINAL
