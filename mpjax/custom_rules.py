@@ -101,8 +101,9 @@ def _custom_vjp(ctx: Context, eqn, vals, weak):
     is checked when it runs: one that reads it raises, rather than read it from a
     trace that has ended (under `jax.export`, a wrong hidden input)."""
     fwd, bwd = eqn.params["fwd_jaxpr_thunk"], eqn.params["bwd"]
-    # A constant the trace inlined reaches the user's rules as the array it was, not
-    # as the NumPy copy the interpreter reads: a residual of it is indexed, `.at`...
+    # A constant the trace inlined reaches the user's rules as a JAX array, as without
+    # autocast, not as the NumPy copy the interpreter reads (a rule may use `.at` on
+    # it, or index it with a traced index).
     vals = [jnp.asarray(v) if isinstance(v, (np.ndarray, np.generic)) else v for v in vals]
     if not (_reads_stale(fwd) or _reads_stale(bwd)):
         return first_order.policy_rule(ctx, eqn, vals, weak)
