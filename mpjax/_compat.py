@@ -7,11 +7,13 @@ private optax name mpjax recognises (`is_optax_placeholder`) is here too."""
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import os
 import weakref
 
 import jax
+import numpy as np
 from jax.extend import core as jex_core
 from jax.extend import source_info_util
 
@@ -91,20 +93,25 @@ def _transformed(x) -> bool:
 
 
 def bound(eqn, params, jit=None):
-    """``primitive.bind(*args, **params)`` as a function of `args`: a jit of it, made
-    by `jit` (default `inline_jit`: for a bind a transformation sees) and cached where
-    the params can be a key. `grad` linearizes a bare bind at every equation, a jit's
-    once per input types (a model's repeated layers once, as `jnp`'s functions)."""
+    """``primitive.bind(*args, **params)`` as a function of `args`: a jit of it (`jit`,
+    default `inline_jit`) cached where the params can be a key (`_plain`). `grad`
+    linearizes a bare bind at every equation, a jit's once per input types."""
     primitive = eqn.primitive
-    try:
-        key = tuple(sorted(params.items()))
-        hash(key)
-    except TypeError:  # an unhashable param (a numpy array): bind it as it is
-        key = None
+    key = tuple(sorted(params.items())) if all(map(_plain, params.values())) else None
     if key is None or eqn.effects or sub_jaxprs(params):
         bind_params = primitive.get_bind_params(params)
         return lambda *args: primitive.bind(*args, **bind_params)
     return _jit_of_bind(primitive, key, jit or inline_jit)
+
+
+def _plain(value) -> bool:
+    """A param `bound` keys its cache on, or a tuple of them (dimension numbers); not
+    jax 0.12's objects (``call_hi_primitive``'s ``SearchSorted[...]``: equal at any shape)."""
+    return all(map(_plain, value)) if isinstance(value, tuple) else isinstance(value, _PLAIN)
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, np.dtype, np.generic, enum.Enum)
+_PLAIN += (jax.sharding.Sharding,)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -190,12 +197,9 @@ def retype_scalar_jaxpr(params, dtype):
     update_jaxpr = params.get("update_jaxpr")
     if update_jaxpr is None:
         return {}
-    consts = params.get("update_consts", ())
-    scalar = jax.ShapeDtypeStruct((), dtype)
-    closed = jax.make_jaxpr(lambda a, b: jax.core.eval_jaxpr(update_jaxpr, consts, a, b))(
-        scalar, scalar
-    )
-    new_jaxpr, new_consts = jaxpr_and_consts(closed)
+    consts, scalar = params.get("update_consts", ()), jax.ShapeDtypeStruct((), dtype)
+    run = lambda a, b: jax.core.eval_jaxpr(update_jaxpr, consts, a, b)  # noqa: E731
+    new_jaxpr, new_consts = jaxpr_and_consts(jax.make_jaxpr(run)(scalar, scalar))
     return dict(update_jaxpr=new_jaxpr, update_consts=new_consts)
 
 
@@ -289,10 +293,8 @@ def abstract(x, dtype, slice_leading: bool = False):
 
 def _nonempty(v):
     """`v`, padded to one element along an empty first axis (a scan of zero steps)."""
-    if v.shape[0]:
-        return v
     config = [(0, 1, 0)] + [(0, 0, 0)] * (v.ndim - 1)
-    return jax.lax.pad(v, jax.numpy.zeros((), v.dtype), config)
+    return v if v.shape[0] else jax.lax.pad(v, jax.numpy.zeros((), v.dtype), config)
 
 
 def custom_vmap_parts(params):
@@ -369,11 +371,9 @@ def _linear_call_jvp(primals, tangents, **params):
         return _jax_linear_call_jvp(primals, tangents, **params)
     jaxpr, consts = jaxpr_and_consts(params["callee"])
     tangents = [_ad.instantiate_zeros(t) for t in tangents]
-    outs = _linear_call_p.bind(*primals, **params)
-    _, tangents_out = jax.jvp(
-        lambda *args: jax.core.eval_jaxpr(jaxpr, consts, *args), tuple(primals), tuple(tangents)
-    )
-    return outs, list(tangents_out)
+    run = lambda *args: jax.core.eval_jaxpr(jaxpr, consts, *args)  # noqa: E731
+    _, tangents_out = jax.jvp(run, tuple(primals), tuple(tangents))
+    return _linear_call_p.bind(*primals, **params), list(tangents_out)
 
 
 if getattr(_jax_linear_call_jvp, "__name__", "") == "_linear_call_jvp_rule":

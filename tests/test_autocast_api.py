@@ -486,3 +486,20 @@ def test_an_nnx_model_keeps_its_call_signature_for_static_argnames():
     assert list(inspect.signature(casted).parameters) == ["x", "train"]
     got = jax.jit(casted, static_argnames="train")(jnp.ones((1, 3)), True)
     np.testing.assert_allclose(got, model(jnp.ones((1, 3)), True), rtol=1e-2, atol=1e-2)
+
+
+def test_a_primitive_bound_under_grad_is_not_reused_at_other_shapes():
+    # jnp.digitize and jnp.interp both search sorted values (on jax 0.12 a primitive
+    # whose parameter, equal for every shape, fixes its result's shape): the first,
+    # differentiated, must not hand its bind to the second.
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+
+    def digitized(x):
+        return jnp.digitize(x, jnp.array([-1.0, 0.0, 1.0])).astype(jnp.float32) * x
+
+    def interpolated(x):
+        return jnp.interp(x[0], jnp.sort(x[1]), x[2])
+
+    jax.grad(lambda x: jnp.sum(mpjax.autocast(digitized)(x)))(x)
+    got = jax.jit(jax.grad(lambda x: jnp.sum(mpjax.autocast(interpolated)(x))))(x)
+    chex.assert_trees_all_close(got, jax.grad(lambda x: jnp.sum(interpolated(x)))(x), rtol=1e-6)
