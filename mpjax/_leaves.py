@@ -53,3 +53,17 @@ def check_returned(fun, x) -> None:
 
 def _traced(value) -> bool:
     return any(_compat.is_tracer(leaf) for leaf in jax.tree.leaves(value))
+
+
+def check_no_shapes(fun, args, kwargs) -> None:
+    """A TypeError naming the argument, for a `jax.ShapeDtypeStruct` given to a call
+    that computes (`mpjax.audit` traces shapes alone; `jax.eval_shape` computes them)."""
+    for path, x in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            where = ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(path[1:])
+            raise TypeError(
+                f"autocast({getattr(fun, '__name__', 'fun')}): {where} is a "
+                f"jax.ShapeDtypeStruct ({x.dtype}{list(x.shape)}), not an array: a call "
+                "computes values. For shapes alone use jax.eval_shape(autocast(f), ...), "
+                "or mpjax.audit(autocast(f), ...) to see what runs in which precision."
+            )

@@ -150,6 +150,15 @@ def test_an_object_holding_arrays_that_is_no_pytree_is_refused_when_returned():
     assert mpjax.autocast(lambda x: (x.sum(), Out(5)))(x)[1] == Out(5)  # no arrays: as returned
 
 
+def test_shapes_given_to_a_call_name_the_argument_and_the_ways_to_shapes():
+    w, x = jax.ShapeDtypeStruct((4, 3), jnp.float32), jnp.ones((2, 4))
+    matmul = mpjax.autocast(lambda p, x: x @ p["w"])
+    with pytest.raises(TypeError, match=r"args\[0\]\['w'\] is a jax.ShapeDtypeStruct.*eval_shape"):
+        matmul({"w": w}, x)
+    assert jax.eval_shape(matmul, {"w": w}, x).shape == (2, 3)  # shapes alone: as jax's
+    assert mpjax.audit(matmul, {"w": w}, x).find("dot_general")
+
+
 def test_numpy_strings_reach_fun_unchanged():
     def f(x, names):
         return x * len(names) if names[0] == "a" else x
