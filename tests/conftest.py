@@ -5,6 +5,8 @@ import importlib.metadata
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 
@@ -203,3 +205,22 @@ def kernels_of(text: str) -> int:
     ops = (re.search(r" = \S+ ([\w-]+)\(", line) for line in entry)
     free = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
     return sum(1 for m in ops if m and m.group(1) not in free)
+
+
+def run_fresh_python(script: str, devices: int | None = None, timeout: int = 300):
+    """Runs `script` in a fresh CPU-only Python, with this checkout importable, on
+    `devices` simulated devices (None: one, XLA's default); asserts it printed OK."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if devices is not None:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([root, env.get("PYTHONPATH", "")]))
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+    )
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]

@@ -11,10 +11,7 @@ Two ways to spread a batch over devices, each with autocast and the scaler:
   takes the same skip decision.
 """
 
-import os
 import re
-import subprocess
-import sys
 
 import chex
 import jax
@@ -22,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import run_fresh_python
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -29,7 +27,6 @@ from jax.sharding import PartitionSpec as P
 import mpjax
 
 N_DEV = 8
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(jax.device_count() < N_DEV, reason="needs 8 devices (conftest)")
 
 
@@ -385,17 +382,7 @@ print("OK")
 def test_the_scaler_updates_parameters_sharded_on_one_device_with_explicit_axes():
     # jax.make_mesh on a laptop: one device, and axes explicit by default on later
     # jax releases. The check cannot concatenate leaves whose types carry a sharding.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([_ROOT, env.get("PYTHONPATH", "")]))
-    result = subprocess.run(
-        [sys.executable, "-c", _ONE_DEVICE_EXPLICIT],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-    )
-    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+    run_fresh_python(_ONE_DEVICE_EXPLICIT)
 
 
 @pytest.mark.parametrize("policy", ["torch", "lean"])

@@ -5,8 +5,6 @@ checkpointing (mpjax/scaler.py)."""
 import doctest
 import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import chex
@@ -15,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import run_fresh_python
 from flax import nnx, serialization
 from jax.sharding import PartitionSpec as P
 
@@ -605,15 +604,7 @@ def test_axis_name_gives_one_decision_on_four_devices(tmp_path):
       assert float(state.scale) == 2.0 and int(state.skipped_steps) == 1
       print("OK")
   """)
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
-    )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+    run_fresh_python(script, devices=4, timeout=120)
 
 
 # --------------------------------------------------------------------------
