@@ -351,8 +351,9 @@ def trace_arrays(fun, args, kwargs, cache: _trace_cache.TraceCache | None = None
 
 
 def _autocast_call(fun, region: Region, args, kwargs, cache=None):
-    _leaves.check_no_shapes(fun, args, kwargs)
     closed, out_shape, dynamic_leaves = trace_arrays(fun, args, kwargs, cache)
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in dynamic_leaves):
+        _leaves.refuse_shapes(fun, args, kwargs)
     # The gradient of a weakly typed argument (a Python float) is weak, as without
     # autocast: as jnp's promotions do, a cast to a strong type, whose transpose
     # makes the cotangent weak again.

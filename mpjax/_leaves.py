@@ -55,9 +55,9 @@ def _traced(value) -> bool:
     return any(_compat.is_tracer(leaf) for leaf in jax.tree.leaves(value))
 
 
-def check_no_shapes(fun, args, kwargs) -> None:
-    """A TypeError naming the argument, for a `jax.ShapeDtypeStruct` given to a call
-    that computes (`mpjax.audit` traces shapes alone; `jax.eval_shape` computes them)."""
+def refuse_shapes(fun, args, kwargs) -> None:
+    """A TypeError naming the `jax.ShapeDtypeStruct` among the arguments of a call,
+    which computes values (`mpjax.audit` traces shapes alone; `jax.eval_shape`)."""
     for path, x in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
         if isinstance(x, jax.ShapeDtypeStruct):
             where = ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(path[1:])
