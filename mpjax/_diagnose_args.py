@@ -13,11 +13,11 @@ import numpy as np
 
 from mpjax import _nnx
 from mpjax._autocast import POLICIES, original_of
+from mpjax._float32 import MAX_F32, MIN_NORMAL_F32
 from mpjax.scaler_state import get_scale
 
 DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16}
 _DEFAULT_SCALE = {"float16": 2.0**16, "bfloat16": 1.0}
-_MAX_F32 = float(np.finfo(np.float32).max)
 
 
 def check_options(loss_fn, dtype, has_aux, policy) -> list[str]:
@@ -66,10 +66,10 @@ def check_scale(scale, dtype: str) -> float:
                 f"mpjax.grad_scaler's state; got a {type(scale).__name__} without one. "
                 f"({e})"
             ) from None
-    if not (math.isfinite(value) and 2.0**-126 <= value <= _MAX_F32):
+    if not (math.isfinite(value) and MIN_NORMAL_F32 <= value <= MAX_F32):
         raise ValueError(
             f"diagnose(scale={value!r}): the loss scale must be a finite float32 number, "
-            f">= 2**-126 and <= {_MAX_F32!r}."
+            f">= 2**-126 and <= {MAX_F32!r}."
         )
     return value
 

@@ -17,6 +17,7 @@ import numpy as np
 from jax import lax
 
 MIN_NORMAL_F32 = float(np.finfo(np.float32).tiny)  # 2**-126
+MAX_F32 = float(np.finfo(np.float32).max)
 
 
 def _mul_f32_by_f64(x: jax.Array, factor: float) -> jax.Array:

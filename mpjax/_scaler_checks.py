@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpjax import _compat
-from mpjax._float32 import MIN_NORMAL_F32
+from mpjax._float32 import MAX_F32, MIN_NORMAL_F32
 from mpjax._scaler_update import ScalerConfig
 
 
@@ -258,7 +258,7 @@ def check_fits_float32(fn: str, name: str, value: float) -> None:
     if overflows:
         raise ValueError(
             f"{fn}: {name}={value!r} overflows float32; it must be at most "
-            f"{float(np.finfo(np.float32).max)!r}."
+            f"{MAX_F32!r}."
         )
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import optax
 
 from mpjax._compat import is_tracer
-from mpjax._float32 import MIN_NORMAL_F32
+from mpjax._float32 import MAX_F32, MIN_NORMAL_F32
 from mpjax._scaler_placement import check_placement
 
 __all__ = ["GradScalerState", "SubtreeFlags", "get_scale", "set_scale", "scaler_stats"]
@@ -230,7 +230,7 @@ def set_scale(opt_state: Any, new_scale: float | jax.Array) -> Any:
             f"{type(new_scale).__name__} {new_scale!r}."
         )
     if isinstance(new_scale, numbers.Real) and not (
-        MIN_NORMAL_F32 <= float(new_scale) <= float(np.finfo(np.float32).max)
+        MIN_NORMAL_F32 <= float(new_scale) <= MAX_F32
     ):
         raise ValueError(
             f"set_scale: new_scale={new_scale!r} must be a finite "
