@@ -220,14 +220,18 @@ def _bad_updates(config: ScalerConfig, updates, state, inner_state) -> jax.Array
     eps=0 on zero gradients), or a non-finite moment: a leaf of its state shaped
     as an update (adam's nu from a gradient of 1e20, whose update mu / sqrt(inf)
     is a finite 0: the parameter would never move again). Such a step is skipped
-    too; the scale is not at fault and is not backed off. Other state leaves
-    (counts, reduce_on_plateau's best loss, which starts at inf) are not read."""
-    shapes = {(jnp.shape(u), jnp.result_type(u)) for u in jax.tree.leaves(updates)}
-    moments = [
-        x
-        for x in jax.tree.leaves(inner_state)
-        if _finite.inexact(x) and jnp.ndim(x) and (jnp.shape(x), jnp.result_type(x)) in shapes
-    ]
+    too; the scale is not at fault and is not backed off. Any other floating leaf
+    (a scalar parameter's moment, a factored one) is at fault where it turns
+    non-finite: reduce_on_plateau's best loss, which starts at inf, is not."""
+    shapes = {jnp.shape(u) for u in jax.tree.leaves(updates) if jnp.ndim(u)}
+    moments = []
+    for old, new in zip(jax.tree.leaves(state.inner_state), jax.tree.leaves(inner_state)):
+        if not _finite.inexact(new):
+            continue
+        if jnp.ndim(new) and jnp.shape(new) in shapes:
+            moments.append(new)
+        else:  # read only where it was finite: a best loss may stay at inf
+            moments.append(jnp.where(jnp.isfinite(old), new, jnp.zeros_like(new)))
     # One check of the updates and the moments together: a handful of kernels.
     return _nonfinite_flags(config, [jax.tree.leaves(updates), moments], {}, state.scale)[0]
 

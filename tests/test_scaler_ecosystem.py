@@ -5,6 +5,7 @@ saw, frozen parameters, checkpoints written in a fresh process."""
 import subprocess
 import sys
 import textwrap
+from typing import NamedTuple
 
 import chex
 import jax
@@ -197,6 +198,60 @@ def test_check_updates_skips_a_step_that_makes_the_optimizer_state_not_finite():
     _, new = jax.jit(tx.update)({"w": jnp.array([1e20, 1.0, 1.0])}, state, PARAMS)
     assert bool(new.last_step_skipped) and float(get_scale(new)) == 4.0
     chex.assert_trees_all_equal(new.inner_state, state.inner_state)
+
+
+class _MasterState(NamedTuple):
+    master: dict
+    inner: optax.OptState
+
+
+def _float32_master_weights(inner):
+    """bfloat16 parameters, their float32 master copy and inner's moments in the state."""
+
+    def init(params):
+        master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+        return _MasterState(master, inner.init(master))
+
+    def update(grads, state, params):
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        updates, inner_state = inner.update(grads, state.inner, state.master)
+        master = optax.apply_updates(state.master, updates)
+        updates = jax.tree.map(lambda m, p: m.astype(p.dtype) - p, master, params)
+        return updates, _MasterState(master, inner_state)
+
+    return optax.GradientTransformation(init, update)
+
+
+_BIG = jnp.ones((4, 5)).at[0, 0].set(1e20)
+
+
+@pytest.mark.parametrize(
+    "params, inner, grads",
+    [
+        (
+            {"temperature": jnp.float32(1.0), "w": jnp.ones(3)},
+            optax.adam(1e-2),
+            {"temperature": jnp.float32(1e20), "w": jnp.ones(3)},
+        ),
+        ({"w": jnp.ones((4, 5))}, optax.sm3(1e-2), {"w": _BIG}),
+        (
+            {"w": jnp.ones(3, jnp.bfloat16)},
+            _float32_master_weights(optax.adam(1e-2)),
+            {"w": jnp.array([1e20, 1.0, 1.0], jnp.bfloat16)},
+        ),
+    ],
+    ids=["scalar-parameter", "factored-moments", "float32-moments-of-bfloat16"],
+)
+def test_check_updates_skips_a_step_that_makes_any_moment_not_finite(params, inner, grads):
+    # adam's nu of a scalar parameter, sm3's accumulators (one per axis) and a float32
+    # moment of a bfloat16 parameter are shaped or typed unlike every update.
+    tx = grad_scaler(inner, check_updates=True, init_scale=4.0)
+    state = tx.init(params)
+    _, new = jax.jit(tx.update)(grads, state, params)
+    assert bool(new.last_step_skipped) and float(get_scale(new)) == 4.0
+    chex.assert_trees_all_equal(new.inner_state, state.inner_state)
+    _, applied = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), state, params)
+    assert not bool(applied.last_step_skipped)
 
 
 def test_check_updates_keeps_steps_of_a_state_that_holds_an_inf_by_design():
