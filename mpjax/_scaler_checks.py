@@ -216,6 +216,9 @@ def _zero_outputs(jaxpr, consts, zero_inputs: list[bool]) -> list[bool]:
         callee = eqn.params.get("jaxpr") if name in ("jit", "pjit", "closed_call") else None
         if callee is not None:
             outs = _zero_outputs(*_compat.jaxpr_and_consts(callee), operands)
+        elif name == "cond":  # zeros where every branch makes zeros
+            branches = [_compat.jaxpr_and_consts(b) for b in eqn.params["branches"]]
+            outs = [all(z) for z in zip(*(_zero_outputs(*b, operands[1:]) for b in branches))]
         elif name in _ZERO_IF_ANY:
             outs = [any(operands)] * len(eqn.outvars)
         elif name in _ZERO_IF_ALL or name == "select_n":

@@ -240,6 +240,29 @@ def test_frozen_float16_parameters_are_accepted_whatever_follows_their_zeros(aft
         mpjax.grad_scaler(decayed).init(params)
 
 
+_WRAPPERS = {
+    "MultiSteps": lambda inner: optax.MultiSteps(inner, 2),
+    "apply_if_finite": lambda inner: optax.apply_if_finite(inner, 3),
+}
+
+
+@pytest.mark.parametrize("wrapper", sorted(_WRAPPERS))
+def test_frozen_float16_parameters_are_accepted_inside_a_wrapper_that_branches(wrapper):
+    # Both wrappers run their inner update in a lax.cond: its branches decide.
+    params = {"backbone": jnp.ones((4, 4), jnp.float16), "head": jnp.ones((4, 2))}
+    frozen = {"backbone": "frozen", "head": "train"}
+    inner = optax.multi_transform(
+        {"train": optax.adam(1e-3), "frozen": optax.set_to_zero()}, frozen
+    )
+    tx = mpjax.grad_scaler(_WRAPPERS[wrapper](inner))
+    grads = {"backbone": jnp.ones((4, 4), jnp.float16), "head": jnp.ones((4, 2))}
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    chex.assert_trees_all_equal(updates["backbone"], jnp.zeros((4, 4), jnp.float16))
+    masked = optax.masked(optax.adam(1e-3), {"backbone": False, "head": True})
+    with pytest.raises(ValueError, match=r"\['backbone'\] are float16.*optax.set_to_zero"):
+        mpjax.grad_scaler(_WRAPPERS[wrapper](masked)).init(params)
+
+
 def test_inner_non_finite_updates_neither_grow_nor_back_off_the_scale():
     # adam with eps=0 on zero gradients: 0/0 updates from finite gradients, which
     # check_updates=True skips.
