@@ -122,11 +122,13 @@ class SubtreeFlags(Mapping):
         return f"SubtreeFlags(names={self.names!r}, flags={self.flags!r})"
 
     def tree_flatten_with_keys(self):
+        if not self.names:  # no leaf: checkpointers refuse an array of no elements
+            return (), ()
         return ((jax.tree_util.GetAttrKey("flags"), self.flags),), self.names
 
     @classmethod
     def tree_unflatten(cls, names, children):
-        return cls(names, *children)
+        return cls(names, *children) if names else cls((), jnp.zeros([0], jnp.bool_))
 
 
 @functools.cache

@@ -700,6 +700,20 @@ def test_orbax_round_trip_resumes_identically(tmp_path, accumulation_steps):
     chex.assert_trees_all_equal(state, full_state)
 
 
+@pytest.mark.parametrize("params", [{}, {"step": jnp.int32(3)}], ids=["empty", "integer"])
+def test_orbax_saves_the_state_of_parameters_without_a_floating_leaf(tmp_path, params):
+    # No subtree to flag: no zero-size array, which orbax refuses to save.
+    ocp = pytest.importorskip("orbax.checkpoint")
+    tx = grad_scaler(optax.sgd(1e-3))
+    _, state = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", state)
+        checkpointer.wait_until_finished()
+        restored = checkpointer.restore(tmp_path / "ckpt", tx.init(params))
+    chex.assert_trees_all_equal(restored, state)
+    assert dict(restored.nonfinite_subtrees) == {}
+
+
 def test_user_guide_examples_run():
     """docs/loss_scaling.md: every python block runs, in order, as printed."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
