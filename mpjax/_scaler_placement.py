@@ -58,7 +58,9 @@ def check_placement(opt_state: Any, target: Any, caller: str) -> None:
                 f"{_CHAINS[type(node)]}. The others do not take part in its skip: before "
                 "it, they run on every step (optax.clip hides an inf from it); after it, "
                 "they run on a skipped step's zero updates (momentum and weight decay "
-                f"still move the parameters). {_FIX}"
+                f"still move the parameters). {_FIX} (A tuple of your own holding several "
+                "optimizers' states looks like a chain's: pass this helper the scaler's "
+                "own state, or hold them in a list or a dict.)"
             )
         if _is_optax_state(node) and not isinstance(node, _TRANSPARENT):
             raise ValueError(

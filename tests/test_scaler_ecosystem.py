@@ -190,6 +190,20 @@ def test_helpers_read_the_scale_from_the_users_tuples(carry):
     assert float(get_scale(carry)) == 4.0
 
 
+def test_a_tuple_of_two_optimizers_states_is_told_apart_from_a_chain_by_the_message():
+    # A generator's scaler state beside a discriminator's adam state: as a tuple it is
+    # a chain's state to look at, so the helpers refuse it, and say how to pass it.
+    states = [
+        grad_scaler(optax.adam(1e-3), init_scale=4.0).init(PARAMS),
+        optax.adam(1e-3).init(PARAMS),
+    ]
+    with pytest.raises(
+        ValueError, match=r"optax\.chain.*the scaler's own state, or hold them in a list"
+    ):
+        get_scale(tuple(states))
+    assert float(get_scale(states)) == float(get_scale(states[0])) == 4.0
+
+
 def test_check_updates_skips_a_step_that_makes_the_optimizer_state_not_finite():
     # A finite gradient of 1e20 squares to inf in adam's nu, while the update
     # mu / sqrt(nu) is a finite 0: kept, the parameter would never move again.
