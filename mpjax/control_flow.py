@@ -54,7 +54,9 @@ def _shard_map(ctx: Context, eqn, vals, weak):
     """shard_map: rebuilt around the autocast body, mesh and specs kept."""
 
     def body(*args):
-        outs, _ = eval_closed(ctx.child(), eqn.params["jaxpr"], list(args), weak)
+        outs, _ = eval_closed(
+            ctx.passing(eqn.invars).child(), eqn.params["jaxpr"], list(args), weak
+        )
         return tuple(outs)
 
     return list(jax.shard_map(body, **_compat.shard_map_kwargs(eqn.params))(*vals))
@@ -65,13 +67,14 @@ def _cond(ctx: Context, eqn, vals, weak):
     index, ops = vals[0], vals[1:]
     ops_weak = weak[1:]
     branches = eqn.params["branches"]
+    inner = ctx.passing(eqn.invars[1:])
 
     def branch_fn(closed, out_dtypes=None, known=None):
         """A branch, its outputs cast to `out_dtypes`; probing (None), what it
         returns, with its constant outputs' values (zeros) put in `known`."""
 
         def fn(*args):
-            child = ctx.child(probing=out_dtypes is None)
+            child = inner.child(probing=out_dtypes is None)
             outs, out_weak = eval_closed(child, closed, list(args), ops_weak)
             if out_dtypes is None:
                 known.append(

@@ -34,7 +34,9 @@ def _custom_jvp(ctx: Context, eqn, vals, weak):
     n_consts = params["num_consts"]
 
     def primal(*args):
-        outs, _ = eval_closed(ctx.child(), params["call_jaxpr"], list(args), weak)
+        outs, _ = eval_closed(
+            ctx.passing(eqn.invars).child(), params["call_jaxpr"], list(args), weak
+        )
         return outs
 
     n_args = len(vals) - n_consts
@@ -49,7 +51,11 @@ def _custom_jvp(ctx: Context, eqn, vals, weak):
         out_avals = jax.eval_shape(primal, *primals)
         if widen:  # the rule's sums of tangents, transposed, are float32 sums
             tangents = [_float32(t) for t in tangents]
-        child = ctx.child()
+        # A tangent is a parameter where its primal is: its product's transpose
+        # is the parameter's gradient, which keeps a float32 accumulator.
+        primals_in = eqn.invars[n_consts:]
+        passed = [*[True] * len(leading), *primals_in, *primals_in]
+        child = ctx.passing(passed).child()
         try:
             outs, _ = eval_jaxpr(
                 child,
@@ -230,7 +236,7 @@ def _custom_vmap(ctx: Context, eqn, vals, weak):
     call, rule = _compat.custom_vmap_parts(eqn.params)
 
     def primal(*args):
-        outs, _ = eval_closed(ctx.child(), call, list(args), weak)
+        outs, _ = eval_closed(ctx.passing(eqn.invars).child(), call, list(args), weak)
         return outs
 
     def vmap_rule(axis_size, in_batched, *args):
@@ -244,7 +250,7 @@ def _custom_vmap(ctx: Context, eqn, vals, weak):
             return outs
 
         at_original_dtypes = [_compat.abstract(a, v.aval.dtype) for a, v in zip(args, eqn.invars)]
-        child = ctx.child()
+        child = ctx.passing(eqn.invars).child()
         closed = jax.make_jaxpr(original_rule)(*at_original_dtypes)
         outs, _ = eval_closed(child, closed, list(args), weak)
         return [child.scope.cast(o, a.dtype) for o, a in zip(outs, out_avals)], list(out_batched)

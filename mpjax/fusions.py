@@ -109,8 +109,8 @@ def _size(v) -> int:
     return size(v.aval)
 
 
-def find(jaxpr) -> Fusions:
-    """The bias adds and pointwise functions of `jaxpr`'s own equations."""
+def find(jaxpr, passed=None) -> Fusions:
+    """The bias adds and pointwise functions of `jaxpr`; `passed`: `Context.passed`."""
     eqns = jaxpr.eqns
     producer, readers = {}, defaultdict(list)
     for i, eqn in enumerate(eqns):
@@ -143,7 +143,7 @@ def find(jaxpr) -> Fusions:
     takers = float32_sums | residual_sums | summed
     accumulated = _read_by_any([e for e in eqns if e.outvars], takers, eqns, readers)
     fused = (bias_adds, float32_sums, residual_sums, chains, frozenset(deferred))
-    return Fusions(*fused, _arguments(jaxpr), accumulated, selects)
+    return Fusions(*fused, _arguments(jaxpr, passed), accumulated, selects)
 
 
 def _read_by_any(candidates, ids, eqns, readers) -> frozenset:
@@ -196,8 +196,9 @@ def _broadcast_from_fewer(v, eqns, producer):
     return made_by if fewer(_size(made_by.invars[0]), _size(v)) else None
 
 
-def _arguments(jaxpr) -> frozenset:
-    found = set(jaxpr.invars) | set(jaxpr.constvars)
+def _arguments(jaxpr, passed) -> frozenset:
+    invars = jaxpr.invars if passed is None else [jaxpr.invars[i] for i in sorted(passed)]
+    found = set(invars) | set(jaxpr.constvars)
     for eqn in jaxpr.eqns:
         ins = list(filter(_is_var, eqn.invars))
         if eqn.primitive.name in policy.CARRY_PARAMETERS and len(ins) == 1 and ins[0] in found:

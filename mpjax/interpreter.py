@@ -178,6 +178,9 @@ class Context(NamedTuple):
     """ids of the products whose float32 accumulator a reader takes (`mpjax.fusions`)."""
     arguments: frozenset = frozenset()
     """The variables holding the jaxpr's arguments (parameters), `mpjax.fusions`."""
+    passed: frozenset | None = None
+    """The input positions of the jaxpr evaluated next (a body's) that hold its
+    caller's arguments (`passing`); None where all do (the function autocast wraps)."""
     max_shifts: frozenset = frozenset()
     """ids of the ``x - max(x)`` of a softmax, run in float32 (`_shifts.max_shifts`)."""
     memo: dict | None = None
@@ -187,10 +190,25 @@ class Context(NamedTuple):
     """Inside a probe: a body evaluated abstractly, for its output dtypes only."""
 
     def for_call(self, eqn) -> Context:
-        """This context, for the body of the call `eqn`: (lean) with the positions
-        of its results that its readers take only as float32."""
+        """This context, for the body of the call `eqn` (`passing` its inputs): (lean)
+        with the positions of its results that its readers take only as float32."""
         only = frozenset(i for i, v in enumerate(eqn.outvars) if v in self.float32_only)
-        return self._replace(float32_outputs=only)
+        return self.passing(eqn.invars)._replace(float32_outputs=only)
+
+    def passing(self, invars) -> Context:
+        """This context, for a body whose inputs are the caller's `invars` (None for
+        none of them, True for a constant): an input is a parameter there only where
+        it holds one here, so that an activation passed to a nested jit stays one.
+        A loop's body goes without: each of its inputs counts as a parameter, as a
+        float32 operand costs nothing where the loop keeps the 16-bit casts anyway,
+        and its gradient stays float32 (an RNN's inputs', its carry's)."""
+        positions = (
+            i
+            for i, v in enumerate(invars)
+            if v is True
+            or (v is not None and not isinstance(v, _compat.Literal) and v in self.arguments)
+        )
+        return self._replace(passed=frozenset(positions))
 
     def child(self, invariant=(), probing: bool = False) -> Context:
         return self._replace(scope=Scope(self.scope, invariant), probing=self.probing or probing)
@@ -256,8 +274,9 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
         elsewhere = lambda eqn: region_of(eqn, ctx.region) != ctx.region  # noqa: E731
         only = policy.float32_only_consumers(jaxpr, ctx.float32_outputs, elsewhere)
         ctx = ctx._replace(float32_only=only, float32_outputs=frozenset())
-    fused = fusions.find(jaxpr) if jaxpr.eqns else fusions.NONE
+    fused = fusions.find(jaxpr, ctx.passed) if jaxpr.eqns else fusions.NONE
     ctx = ctx._replace(
+        passed=None,
         bias_adds=fused.bias_adds,
         float32_sums=fused.float32_sums,
         residual_sums=fused.residual_sums,

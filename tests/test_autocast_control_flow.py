@@ -462,6 +462,54 @@ def test_a_nested_jit_with_shardings_on_an_explicit_mesh_runs_as_without_autocas
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
 
 
+def _dense(w, h):
+    return h @ w
+
+
+@jax.custom_jvp
+def _custom_dense(w, h):
+    return h @ w
+
+
+_custom_dense.defjvp(lambda p, t: (_custom_dense(*p), t[1] @ p[0] + p[1] @ t[0]))
+
+
+def _normalized_dense(w, x, dense):
+    return jnp.sum(dense(w, jax.nn.standardize(x, axis=-1)).astype(F32))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        jax.jit(_dense),
+        lambda w, h: lax.cond(h[0, 0] > -1e9, _dense, lambda w, h: 2 * _dense(w, h), w, h),
+        _custom_dense,
+    ],
+    ids=["jit", "cond", "custom_jvp"],
+)
+def test_an_activation_passed_to_a_nested_call_is_kept_as_its_16_bit_cast(call, low):
+    # A normalized activation is float32; the product reads its 16-bit cast, which
+    # is what the backward pass keeps, not the float32 activation (a weight, alive
+    # anyway, is cast again). Inside the call, the activation is no parameter either.
+    w, x = _w(64, 64), _w(32, 64, seed=1)
+
+    def kept(dense):
+        f = mpjax.autocast(functools.partial(_normalized_dense, dense=dense), dtype=low)
+        _, vjp = jax.vjp(f, w, x)
+        return sorted(str(r.dtype) for r in jax.tree.leaves(vjp) if np.shape(r) == x.shape)
+
+    assert kept(call) == kept(_dense) == sorted([str(jnp.dtype(low)), "float32", "float32"])
+
+
+def test_a_nested_jit_differentiates_as_its_body_inlined(low):
+    w, x = _w(64, 64), _w(32, 64, seed=1)
+    inlined, nested = (
+        jax.grad(mpjax.autocast(functools.partial(_normalized_dense, dense=d), dtype=low), (0, 1))
+        for d in (_dense, jax.jit(_dense))
+    )
+    chex.assert_trees_all_equal(nested(w, x), inlined(w, x))
+
+
 def test_a_constant_branch_of_cond_widens_nothing_it_fits_in(low):
     # As jnp.where's constant: an RNN state reset to zeros with lax.cond stays 16-bit.
     w, x = _w(4, 4), _w(3, 4, seed=1)

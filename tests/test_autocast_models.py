@@ -156,6 +156,22 @@ def test_lean_policy_gathers_data_along_an_axis_exactly(dtype):
         )
 
 
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_lean_policy_gathers_computed_values_exactly_inside_a_nested_jit(dtype):
+    # jnp.take is a jit: its operand, computed here, is no parameter inside it, so
+    # its gather reads data, not an embedding's table, and returns it unrounded.
+    x = jnp.array([[1.0001, 1e5, 7e4], [2.0, 3.0, 8e4]])
+    rows = jnp.array([1, 0, 1])
+    cases = [
+        lambda x: jnp.take(x * 1.0001, rows, axis=0),
+        lambda x: jax.jit(lambda y: y[rows])(x * 1.0001),
+    ]
+    for f in cases:
+        lean = mpjax.autocast(f, dtype=dtype, policy="lean")
+        chex.assert_trees_all_equal(lean(x), f(x))
+        chex.assert_trees_all_equal(jax.jit(lean)(x), jax.jit(f)(x))
+
+
 def test_lean_policy_keeps_the_users_float16_data_out_of_bfloat16():
     # A float32-list operation on float16 data in a bfloat16 region computes in
     # float32 and hands on float16, the program's own dtype: no bfloat16 rounding.
