@@ -100,7 +100,7 @@ AS_RECEIVED = _table(Rule.AS_RECEIVED, [
     # elementwise, bounded or exact in any precision
     "neg", "abs", "sign", "floor", "ceil", "round", "is_finite", "sqrt", "cbrt",
     "tanh", "logistic", "sin", "cos", "atan", "asinh", "acosh", "atanh",
-    "one_minus_square", "real", "imag", "conj",
+    "one_minus_square", "real", "imag",
     "not", "and", "or", "xor", "shift_left", "shift_right_arithmetic",
     "shift_right_logical", "population_count", "clz",
     # selections and orderings: exact whatever the dtype

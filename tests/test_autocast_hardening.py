@@ -665,6 +665,20 @@ def test_complex_times_float32_product_keeps_the_imaginary_part(low):
     )
 
 
+def test_the_conjugate_of_a_real_16_bit_result_is_complex64_as_without_autocast(low):
+    # lax.conj accepts real float32 and returns complex64; it refuses 16-bit floats.
+    w, x = jnp.eye(4) * 0.5, jnp.arange(8.0).reshape(2, 4)
+
+    def f(w, x):
+        return lax.conj(x @ w)
+
+    got = mpjax.autocast(f, dtype=low)(w, x)
+    assert got.dtype == jnp.complex64
+    chex.assert_trees_all_equal(got, f(w, x))
+    g = jax.grad(lambda w: jnp.sum(jnp.real(mpjax.autocast(f, dtype=low)(w, x))))(w)
+    chex.assert_trees_all_equal(g, jax.grad(lambda w: jnp.sum(jnp.real(f(w, x))))(w))
+
+
 @pytest.mark.parametrize("fill", [1e6, -1e5, 1e-9])
 def test_gather_fill_value_the_low_dtype_cannot_hold_is_kept(low, fill):
     x, w = _xw()
