@@ -163,15 +163,17 @@ def _walk(jaxpr, path: str = "", repeat: int = 1):
     upcast_from = {}  # var -> the 16-bit dtype of the value it is an upcast of
     for eqn in _live(jaxpr):
         name = eqn.primitive.name
-        equations.append(
-            Equation(
-                name,
-                _dtype_names(eqn.invars),
-                _dtype_names(eqn.outvars),
-                path,
-                _compat.user_frame(eqn),
+        own = _compat.called_name(eqn).startswith("mpjax_")  # mpjax's own wrapper:
+        if not own:  # what it calls is listed, as if inlined
+            equations.append(
+                Equation(
+                    name,
+                    _dtype_names(eqn.invars),
+                    _dtype_names(eqn.outvars),
+                    path,
+                    _compat.user_frame(eqn),
+                )
             )
-        )
         if name == "convert_element_type":
             src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
             if np.dtype(src) in policy.LOW_DTYPES and np.dtype(dst) == np.float32:
@@ -193,7 +195,6 @@ def _walk(jaxpr, path: str = "", repeat: int = 1):
         branches = []  # (flops, low_flops) of each branch of a cond
         for sub in _compat.sub_jaxprs(eqn.params):
             inner, _ = _compat.jaxpr_and_consts(sub)
-            own = _compat.called_name(eqn).startswith("mpjax_")  # mpjax's own wrapper
             inner_path = path if own else f"{path}/{name}" if path else name
             e, c, f, lf = _walk(inner, inner_path, inner_repeat)
             equations += e

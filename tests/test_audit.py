@@ -28,6 +28,9 @@ def test_report_lists_dtypes_casts_and_flops():
     text = str(report)
     assert "dot_general" in text and "float16, float16 -> float16" in text
     assert "100.0%" in text
+    # The wrapper autocast puts around a product of a parameter is not the user's:
+    # its equations are listed, itself not.
+    assert report.find("custom_jvp_call") == [] and "custom_jvp_call" not in text
 
 
 def test_disabled_region_shows_in_the_flop_share():
