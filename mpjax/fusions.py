@@ -55,7 +55,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from mpjax import _bias, _compat, _constants, _pointwise, policy
+from mpjax import _bias, _compat, _constants, _pointwise, _readers, policy
 from mpjax._casting import F32, convert, dtype_of, fewer, is_concrete, size
 
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
@@ -63,7 +63,7 @@ SQUASHING = frozenset({"tanh", "logistic"})
 """The gate functions a bias add's sum is handed to in float32 (`find`): their
 backward pass keeps their result, not their operand."""
 _SUMS = frozenset({"add", "sub"})
-_OUTPUT = -1  # a reader index standing for "an output of the jaxpr"
+_OUTPUT = _readers.OUTPUT  # a reader index standing for "an output of the jaxpr"
 
 
 class Chain(NamedTuple):
@@ -121,7 +121,7 @@ def find(jaxpr, passed=None) -> Fusions:
         readers[v].append(_OUTPUT)
     adds = [e for e in eqns if _is_bias_add(e, eqns, producer)]
     float32_sums = frozenset(
-        id(e) for e in adds if _read_by(e.outvars[0], eqns, readers, SQUASHING, _SUMS)
+        id(e) for e in adds if _readers.read_by(e.outvars[0], eqns, readers, SQUASHING, _SUMS)
     )
     chains: dict = {}
     deferred: set = set()
@@ -262,35 +262,12 @@ def _chain(source, members, eqns, readers) -> Chain | None:
         and source.aval.dtype == F32
     )
     computes_float32 = any(_pointwise.computes_float32(eqns[i]) for i in members)
-    products: set = set()  # filled by _read_by
-    if not (written_in_float32 and computes_float32) or not _read_by(
+    products: set = set()  # filled by read_by
+    if not (written_in_float32 and computes_float32) or not _readers.read_by(
         out, eqns, readers, _PRODUCTS, found=products
     ):
         return None
     return Chain(source, tuple(members), out, tuple(products))
-
-
-def _read_by(v, eqns, readers, names, through=frozenset(), seen=None, found=None) -> bool:
-    """Whether every reader of `v` is one of the primitives `names`, directly or
-    through layout (and the primitives `through`); those readers are added to
-    `found`, if given (by ``found.add``, which returns None)."""
-    seen = {} if seen is None else seen  # each variable's answer, computed once
-    if v not in seen:
-        seen[v] = all(
-            i != _OUTPUT
-            and (
-                (eqns[i].primitive.name in names and (found is None or not found.add(i)))
-                or (
-                    eqns[i].primitive.name in policy.LAYOUT | through
-                    and all(
-                        _read_by(o, eqns, readers, names, through, seen, found)
-                        for o in eqns[i].outvars
-                    )
-                )
-            )
-            for i in set(readers[v])
-        )
-    return seen[v]
 
 
 def joins_product(ctx, eqn, vals, weak) -> bool:

@@ -443,3 +443,20 @@ def test_a_biased_product_read_by_relu_still_leaves_in_16_bits():
     jaxpr = jax.make_jaxpr(f)(_w(4, 8), _w(8, 16), _w(16), _w(16, 4))
     (relu,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "max"]
     assert relu.invars[0].aval.dtype == BF16  # the sum rounded once: relu keeps 16 bits
+
+
+def test_a_chain_of_adds_deeper_than_pythons_stack_is_read_without_recursion():
+    # A model written as a Python loop is a chain of adds as long as it has layers:
+    # here the float32 accumulator policy.md describes, summed over 600 products.
+    ws = 0.1 * jax.random.normal(jax.random.key(0), (600, 8, 8))
+    x = jnp.ones((4, 8))
+
+    def f(ws, x):
+        acc = jnp.zeros((4, 8))
+        for i in range(ws.shape[0]):
+            acc = acc + x @ ws[i]
+        return acc
+
+    got = mpjax.autocast(f)(ws, x)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, f(ws, x), rtol=2e-2, atol=2e-2)

@@ -1,0 +1,52 @@
+"""Which primitives read a value of a jaxpr, followed through layout.
+
+The walk is iterative: a model written as a Python loop is a chain of adds as long
+as it has layers (a residual stream, an accumulator), deeper than Python's stack.
+"""
+
+from __future__ import annotations
+
+from mpjax import policy
+
+OUTPUT = -1
+"""The reader index of a jaxpr's output."""
+
+
+def read_by(v, eqns, readers, names, through=frozenset(), found=None) -> bool:
+    """Whether every reader of `v` is one of the primitives `names`, directly or
+    through layout (and the primitives `through`); those readers are added to
+    `found`, if given. `readers` maps a variable to the indices of the equations
+    reading it (`OUTPUT` for the jaxpr's output)."""
+    passing = policy.LAYOUT | through
+
+    def answer(u):  # a generator: yields each variable whose answer it needs
+        for i in set(readers[u]):
+            name = eqns[i].primitive.name if i != OUTPUT else None
+            if name in names:
+                if found is not None:
+                    found.add(i)
+            elif name not in passing:
+                return False
+            else:
+                for o in eqns[i].outvars:
+                    if not (yield o):
+                        return False
+        return True
+
+    seen: dict = {}  # each variable's answer, computed once
+    stack, sent = [(v, answer(v))], None
+    while True:
+        u, walk = stack[-1]
+        try:
+            needed = walk.send(sent)
+        except StopIteration as done:
+            seen[u] = sent = done.value
+            stack.pop()
+            if not stack:
+                return sent
+            continue
+        if needed in seen:
+            sent = seen[needed]
+        else:
+            stack.append((needed, answer(needed)))
+            sent = None
