@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpjax import _compat
+from mpjax import _constants
 from mpjax import _leaves
 from mpjax import _linen
 from mpjax import _nnx
@@ -362,6 +363,7 @@ def _autocast_call(fun, region: Region, args, kwargs, cache=None):
         for x in dynamic_leaves
     ]
     jaxpr, consts = _compat.jaxpr_and_consts(closed)
+    consts = [_constants.read_closed_over(c) for c in consts]
     ctx = Context(region, Scope(), memo={})
     outs, _ = eval_jaxpr(ctx, jaxpr, consts, dynamic_leaves, [False] * len(dynamic_leaves))
     out_leaves, out_tree = jax.tree.flatten(out_shape)

@@ -31,6 +31,27 @@ MOVES_VALUES = policy.LAYOUT | frozenset({
 })  # fmt: skip
 
 
+CLOSED_OVER_LIMIT = 1 << 16
+"""Elements up to which a closed-over jax.Array constant is read at trace time."""
+
+
+def read_closed_over(x):
+    """`x`, a constant of the traced program; a floating jax.Array the function
+    closed over (on one device, of up to `CLOSED_OVER_LIMIT` elements) as a NumPy
+    array, whose values autocast then knows as a NumPy constant's: a frozen weight
+    of 1e5 or 1e-8 makes its product run as written, not inf or 0 in float16. A
+    larger one stays on its device, its values unknown, as a parameter's are."""
+    if (
+        isinstance(x, jax.Array)
+        and not _compat.is_tracer(x)
+        and policy.is_castable(x.dtype)
+        and size(x) <= CLOSED_OVER_LIMIT
+        and len(x.sharding.device_set) == 1
+    ):
+        return np.asarray(x)
+    return x
+
+
 def values(scope, x):
     """The values `x` can take, known at trace time (an array whose elements are
     them), or None."""

@@ -116,10 +116,14 @@ def test_constants_the_low_dtype_cannot_hold_are_computed_as_written(low, name):
     np.testing.assert_allclose(got, want, rtol=4 * rel_tol(low))
 
 
+# A frozen weight closed over as a jax.Array, as a NumPy one: its values are known.
+_TINY, _HUGE = jnp.full((8, 3), 1e-8), jnp.linspace(1e5, 2e5, 24).reshape(8, 3)
 _PRODUCT_CONSTANTS = {
     "tiny": lambda x: x @ jnp.full((8, 3), 1e-8),
     "huge": lambda x: (x * 1e-3) @ jnp.full((8, 3), 1e5),
     "closed_over": lambda x: x @ np.linspace(1e5, 2e5, 24, dtype=np.float32).reshape(8, 3),
+    "closed_over_tiny_array": lambda x: x @ _TINY,
+    "closed_over_huge_array": lambda x: (x * 1e-3) @ _HUGE,
     "conv_tiny": lambda x: lax.conv_general_dilated(
         x[None, None], jnp.full((1, 1, 3, 3), 1e-8), (1, 1), "SAME"
     ),
