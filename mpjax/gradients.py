@@ -57,9 +57,10 @@ def scaled_value_and_grad(
       argnums: as for ``jax.value_and_grad``; or an ``nnx.DiffState`` (for
         ``nnx.value_and_grad``: the LoRA parameters alone, say).
       has_aux: as for ``jax.value_and_grad``.
-      value_and_grad: the differentiation transform. By default
-        ``jax.value_and_grad``, or ``flax.nnx.value_and_grad`` when a
-        differentiated argument is an NNX module.
+      value_and_grad: the differentiation transform, called as
+        ``value_and_grad(f, has_aux=True)`` (with ``argnums=`` where it is not 0):
+        ``eqx.filter_value_and_grad`` fits. By default ``jax.value_and_grad``, or
+        ``flax.nnx.value_and_grad`` when a differentiated argument is an NNX module.
 
     Returns:
       A function with `fun`'s signature returning ``(value, grads)``.
@@ -92,7 +93,9 @@ def scaled_value_and_grad(
 
     def wrapped(*args, **kwargs):
         transform = _value_and_grad_for(args, argnums, value_and_grad)
-        grad_fn = transform(scaled_fun, argnums=argnums, has_aux=True)
+        # argnums only where it is not the default: eqx.filter_value_and_grad takes none.
+        chosen = {} if isinstance(argnums, int) and argnums == 0 else {"argnums": argnums}
+        grad_fn = transform(scaled_fun, has_aux=True, **chosen)
         out = grad_fn(*args, **kwargs)
         if not (_pair(out) and _pair(out[0]) and _pair(out[0][1])):
             name = getattr(transform, "__qualname__", type(transform).__name__)

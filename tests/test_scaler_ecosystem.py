@@ -275,3 +275,19 @@ def test_check_updates_keeps_steps_of_a_state_that_holds_an_inf_by_design():
     state = tx.init(PARAMS)
     _, state = jax.jit(tx.update)(GRADS, state, PARAMS, value=jnp.float32(1.0))
     assert not bool(state.last_step_skipped)
+
+
+def test_a_value_and_grad_that_takes_no_argnums_differentiates_the_first_argument():
+    # As eqx.filter_value_and_grad(f, has_aux=...), which refuses argnums=.
+    def filter_value_and_grad(f, *, has_aux=False):
+        return jax.value_and_grad(f, has_aux=has_aux)
+
+    def loss(p, x):
+        return jnp.sum(p["w"] * x) ** 2
+
+    state = grad_scaler(optax.adam(1e-3), init_scale=8.0).init(PARAMS)
+    p, x = {"w": jnp.arange(3.0)}, jnp.ones(3)
+    got = scaled_value_and_grad(loss, state, value_and_grad=filter_value_and_grad)(p, x)
+    chex.assert_trees_all_equal(got, jax.value_and_grad(loss)(p, x))
+    with pytest.raises(TypeError, match="argnums"):
+        scaled_value_and_grad(loss, state, argnums=1, value_and_grad=filter_value_and_grad)(p, x)
