@@ -296,6 +296,8 @@ def _diagnose_dtype(problem, dtype, scale, policy, reference):
     largest, recommended, again = low.backward_low_max, None, ()
     if dtype == "float16" and forward is None:
         largest, recommended, again = _scale_figures(program, low, problem, reference)
+    elif forward is not None:  # an overflow the scale cannot reach: none is safe
+        largest = math.inf
     run = Run(dtype, scale, low.loss, forward, backward, leaves, largest, recommended, again)
     return run, low
 

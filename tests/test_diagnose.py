@@ -107,6 +107,8 @@ def test_forward_overflow_names_the_primitive_module_and_line(forward_report):
     # float32 is finite: a precision problem, and the recommendation says where.
     assert forward_report.reference_forward is None
     assert math.isfinite(forward_report.reference_loss) and not math.isfinite(run.loss)
+    # No scale reaches the forward pass: no workable scale, as the reference says.
+    assert run.recommended_scale is None and run.max_gradient == math.inf
     (text,) = forward_report.recommendations
     assert "`Transformer/block_1/mlp`" in text and "test_diagnose.py" in text
     assert "enabled=False" in text and "bfloat16" in text
