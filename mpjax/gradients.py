@@ -57,10 +57,9 @@ def scaled_value_and_grad(
       argnums: as for ``jax.value_and_grad``; or an ``nnx.DiffState`` (for
         ``nnx.value_and_grad``: the LoRA parameters alone, say).
       has_aux: as for ``jax.value_and_grad``.
-      value_and_grad: the differentiation transform, called as
-        ``value_and_grad(f, has_aux=True)`` (with ``argnums=`` where it is not 0):
-        ``eqx.filter_value_and_grad`` fits. By default ``jax.value_and_grad``, or
-        ``flax.nnx.value_and_grad`` when a differentiated argument is an NNX module.
+      value_and_grad: the transform, called as ``value_and_grad(f, has_aux=True)``
+        (``argnums=`` too, unless 0: ``eqx.filter_value_and_grad`` fits). Default:
+        ``jax.value_and_grad``, or ``flax.nnx.value_and_grad`` for NNX modules.
 
     Returns:
       A function with `fun`'s signature returning ``(value, grads)``.
@@ -93,9 +92,7 @@ def scaled_value_and_grad(
 
     def wrapped(*args, **kwargs):
         transform = _value_and_grad_for(args, argnums, value_and_grad)
-        # argnums only where it is not the default: eqx.filter_value_and_grad takes none.
-        chosen = {} if isinstance(argnums, int) and argnums == 0 else {"argnums": argnums}
-        grad_fn = transform(scaled_fun, has_aux=True, **chosen)
+        grad_fn = _transformed(transform, scaled_fun, argnums)
         out = grad_fn(*args, **kwargs)
         if not (_pair(out) and _pair(out[0]) and _pair(out[0][1])):
             name = getattr(transform, "__qualname__", type(transform).__name__)
@@ -110,6 +107,13 @@ def scaled_value_and_grad(
         return ((loss, aux) if has_aux else loss), unscale(grads, scale)
 
     return wrapped
+
+
+def _transformed(transform, fun, argnums):
+    """``transform(fun, has_aux=True)``, given `argnums` only where it is not the
+    default 0: ``eqx.filter_value_and_grad`` takes none."""
+    chosen = {} if isinstance(argnums, int) and argnums == 0 else {"argnums": argnums}
+    return transform(fun, has_aux=True, **chosen)
 
 
 def unscale(grads, scale: jax.Array):
