@@ -52,6 +52,17 @@ def read_closed_over(x):
     return x
 
 
+def computed_from_literals(eqn) -> bool:
+    """Whether the outputs of `eqn`, given constant inputs, are constants too: not
+    those of an equation without inputs (a callback's, an ``axis_index``), but
+    ``iota``'s, nor those of a callback or an effect, which run when the program
+    does, not when autocast traces it."""
+    name = eqn.primitive.name
+    if eqn.effects or "callback" in name:
+        return False
+    return bool(eqn.invars) or name == "iota"
+
+
 def values(scope, x):
     """The values `x` can take, known at trace time (an array whose elements are
     them), or None."""

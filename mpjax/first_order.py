@@ -84,7 +84,7 @@ def policy_rule(ctx, eqn, vals, weak):
         rule = Rule.ORIGINAL
     if lean and rule is Rule.FLOAT32 and any(dtype_of(x) in policy.LOW_DTYPES for x in vals):
         return _float32_inside(ctx, eqn, vals, low)
-    vals = fusions.residual_operands(ctx, eqn, vals)
+    vals = fusions.residual_operands(ctx, eqn, vals, weak)
     targets = _targets(rule, eqn, vals, weak, low, lean, ctx.scope)
     if fusions.joins_product(ctx, eqn, vals, weak):
         outs = fusions.bias_add(ctx, eqn, vals)

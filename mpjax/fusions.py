@@ -136,7 +136,7 @@ def find(jaxpr, passed=None) -> Fusions:
         for i, e in enumerate(eqns)
         if e.primitive.name == "select_n" and _has_derivative(e.outvars[0])
     }
-    residual_sums = _residual_sums(eqns, producer, readers, bias_adds)
+    residual_sums = _residual_sums(eqns, producer, readers, bias_adds, _constant_values(eqns))
     # A 16-bit bias sum adds the product's rounding (`bias_add`); a float32 one (a
     # gate's, or one a residual sum reads) its accumulator, as a residual sum does.
     summed = _read_by_any(adds, residual_sums, eqns, readers)
@@ -155,9 +155,9 @@ def _read_by_any(candidates, ids, eqns, readers) -> frozenset:
     )
 
 
-def _residual_sums(eqns, producer, readers, bias_adds) -> frozenset:
-    """The adds (not bias adds) of a same-size value to a product or bias add
-    whose every reader is such an add."""
+def _residual_sums(eqns, producer, readers, bias_adds, constants) -> frozenset:
+    """The adds (not bias adds) of a same-size value, not a constant, to a product
+    or bias add whose every reader is such an add."""
 
     def is_sum(i, v):
         e = eqns[i] if i != _OUTPUT else None
@@ -165,7 +165,7 @@ def _residual_sums(eqns, producer, readers, bias_adds) -> frozenset:
             e is not None
             and e.primitive.name == "add"
             and id(e) not in bias_adds
-            and all(_is_var(u) and _size(u) == _size(v) for u in e.invars)
+            and all(_is_var(u) and _size(u) == _size(v) and u not in constants for u in e.invars)
         )
 
     found = set()
@@ -176,6 +176,16 @@ def _residual_sums(eqns, producer, readers, bias_adds) -> frozenset:
         if all(is_sum(r, v) for r in readers[v]):
             found.update(id(eqns[r]) for r in readers[v])
     return frozenset(found)
+
+
+def _constant_values(eqns) -> set:
+    """The values computed from literals alone, which the interpreter marks weak."""
+    found: set = set()
+    for e in eqns:
+        inputs = [v for v in e.invars if _is_var(v)]
+        if all(v in found for v in inputs) and _constants.computed_from_literals(e):
+            found.update(e.outvars)
+    return found
 
 
 def _has_derivative(v) -> bool:
@@ -313,14 +323,16 @@ def bias_add(ctx, eqn, vals):
     return [rounded]
 
 
-def residual_operands(ctx, eqn, vals) -> list:
+def residual_operands(ctx, eqn, vals, weak) -> list:
     """`vals`, with a product's rounding replaced by its float32 accumulator where
     `eqn` is a residual sum (`find`) whose result is float32 anyway: another of
-    its operands is a float32 value."""
+    its operands is a float32 value (not a constant, which widens nothing)."""
     if ctx.region.dtype is None or ctx.region.lean or id(eqn) not in ctx.residual_sums:
         return vals
     accumulators = [ctx.scope.accumulator(x) for x in vals]
-    if not any(a is None and dtype_of(x) == F32 for x, a in zip(vals, accumulators)):
+    if not any(
+        a is None and dtype_of(x) == F32 and not w for x, a, w in zip(vals, accumulators, weak)
+    ):
         return vals
     return [x if a is None else a for x, a in zip(vals, accumulators)]
 

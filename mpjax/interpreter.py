@@ -349,22 +349,11 @@ def _evaluate(ctx: Context, eqn, read, env, rule: Callable | None = None) -> Non
             )
             e._mpjax_noted = True
         raise
-    out_weak = all(weaks) and _computed_from_literals(eqn)
+    out_weak = all(weaks) and _constants.computed_from_literals(eqn)
     if out_weak:
         _constants.propagate(eqn_ctx.scope, eqn, vals, outs, eqn.primitive.name not in HIGHER_ORDER)
     for v, o in zip(eqn.outvars, outs, strict=True):
         env[v] = (o, out_weak)
-
-
-def _computed_from_literals(eqn) -> bool:
-    """Whether the outputs of `eqn`, given constant inputs, are constants too: not
-    those of an equation without inputs (a callback's, an ``axis_index``), but
-    ``iota``'s, nor those of a callback or an effect, which run when the program
-    does, not when autocast traces it."""
-    name = eqn.primitive.name
-    if eqn.effects or "callback" in name:
-        return False
-    return bool(eqn.invars) or name == "iota"
 
 
 def eval_closed(ctx: Context, closed, args, weak):

@@ -140,6 +140,24 @@ def test_a_product_read_by_more_than_a_residual_sum_hands_on_its_rounding():
     chex.assert_trees_all_close(out, (y + p) * jnp.exp(p.astype(F32)), rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "constant",
+    [lambda: jnp.full((4, 8), 3.0), lambda: jnp.arange(32.0).reshape(4, 8)],
+    ids=["full", "arange"],
+)
+def test_a_constant_added_to_a_product_widens_nothing(constant):
+    # A constant of the result's shape is no residual stream: the product and the
+    # add stay 16-bit, as with a bias-shaped constant (constants widen nothing).
+    x, w = _w(4, 16, seed=4), _w(16, 8)
+    f = mpjax.autocast(lambda x, w: x @ w + constant(), dtype=BF16)
+    eqns = [
+        e for e in all_eqns(jax.make_jaxpr(f)(x, w)) if e.primitive.name in ("add", "dot_general")
+    ]
+    assert [e.outvars[0].aval.dtype for e in eqns] == [BF16, BF16]
+    p = jnp.dot(x.astype(BF16), w.astype(BF16), preferred_element_type=F32).astype(BF16)
+    chex.assert_trees_all_equal(f(x, w), p + constant().astype(BF16))
+
+
 def test_a_sum_of_two_products_stays_16_bit():
     # Each is read only by the sum, but nothing float32 joins them: reading
     # their accumulators would widen what torch's addition of two float16
