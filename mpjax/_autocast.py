@@ -226,7 +226,9 @@ def _wrap(fun, region: Region, enabled: bool):
                     return _autocast_call(fun, region, args, kwargs)
             if _nnx.has_nnx_objects((args, kwargs)):
                 return _nnx.call_with_state(
-                    lambda pure, state_args: _autocast_call(pure, region, state_args, {}),
+                    lambda pure, state_args: _autocast_call(
+                        pure, region, state_args, {}, shown=(fun, args, kwargs)
+                    ),
                     fun,
                     args,
                     kwargs,
@@ -351,10 +353,12 @@ def trace_arrays(fun, args, kwargs, cache: _trace_cache.TraceCache | None = None
     return closed, out_shape, dynamic_leaves
 
 
-def _autocast_call(fun, region: Region, args, kwargs, cache=None):
+def _autocast_call(fun, region: Region, args, kwargs, cache=None, shown=None):
+    """`fun` traced and evaluated under `region`; `shown`: the user's ``(fun, args,
+    kwargs)`` that errors name, where `fun` is mpjax's own (NNX modules' state)."""
     closed, out_shape, dynamic_leaves = trace_arrays(fun, args, kwargs, cache)
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in dynamic_leaves):
-        _leaves.refuse_shapes(fun, args, kwargs)
+        _leaves.refuse_shapes(*(shown or (fun, args, kwargs)))
     # The gradient of a weakly typed argument (a Python float) is weak, as without
     # autocast: as jnp's promotions do, a cast to a strong type, whose transpose
     # makes the cotangent weak again.

@@ -159,6 +159,15 @@ def test_shapes_given_to_a_call_name_the_argument_and_the_ways_to_shapes():
     assert mpjax.audit(matmul, {"w": w}, x).find("dot_general")
 
 
+def test_an_abstract_nnx_module_given_to_a_call_is_named_as_the_user_passed_it():
+    def loss(model, x):
+        return jnp.sum(model(x))
+
+    model = nnx.eval_shape(lambda: nnx.Linear(8, 8, rngs=nnx.Rngs(0)))
+    with pytest.raises(TypeError, match=r"autocast\(loss\): args\[0\]\.bias\.value is a jax"):
+        mpjax.autocast(loss)(model, jnp.ones((2, 8)))
+
+
 def test_numpy_strings_reach_fun_unchanged():
     def f(x, names):
         return x * len(names) if names[0] == "a" else x
