@@ -150,18 +150,16 @@ def _scan(ctx: Context, eqn, vals, weak):
     """
     params = eqn.params
     n_consts, n_carry = _compat.scan_counts(params)
-    consts, init, xs = (
-        vals[:n_consts],
-        vals[n_consts : n_consts + n_carry],
-        vals[n_consts + n_carry :],
-    )
-    consts_weak, init_weak, xs_weak = (
-        weak[:n_consts],
-        weak[n_consts : n_consts + n_carry],
-        weak[n_consts + n_carry :],
-    )
+
+    def split(seq):  # consts, carries, xs
+        return seq[:n_consts], seq[n_consts : n_consts + n_carry], seq[n_consts + n_carry :]
+
+    consts, init, xs = split(vals)
+    consts_weak, init_weak, xs_weak = split(weak)
     jaxpr, jaxpr_consts = _compat.jaxpr_and_consts(params["jaxpr"])
     body_weak = [*consts_weak, *[False] * n_carry, *xs_weak]
+    const_vars, _, xs_vars = split(eqn.invars)
+    ctx = ctx.passing([*const_vars, *[None] * n_carry, *xs_vars], loop=True)
 
     def run_body(scope_ctx, carry, x_slices):
         outs, _ = eval_jaxpr(
@@ -231,6 +229,8 @@ def _while(ctx: Context, eqn, vals, weak):
     cond_consts, body_consts, init = vals[:nc], vals[nc : nc + nb], vals[nc + nb :]
     cond_weak, body_weak, init_weak = weak[:nc], weak[nc : nc + nb], weak[nc + nb :]
     n_carry = len(init)
+    cond_ctx = ctx.passing([*eqn.invars[:nc], *[None] * n_carry], loop=True)
+    ctx = ctx.passing([*eqn.invars[nc : nc + nb], *[None] * n_carry], loop=True)
 
     def run_body(scope_ctx, carry):
         outs, _ = eval_closed(
@@ -257,7 +257,7 @@ def _while(ctx: Context, eqn, vals, weak):
 
     def pred(carry):
         outs, _ = eval_closed(
-            ctx.child(),
+            cond_ctx.child(),
             params["cond_jaxpr"],
             [*cond_consts, *carry],
             [*cond_weak, *[False] * n_carry],

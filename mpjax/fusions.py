@@ -143,7 +143,7 @@ def find(jaxpr, passed=None) -> Fusions:
     takers = float32_sums | residual_sums | summed
     accumulated = _read_by_any([e for e in eqns if e.outvars], takers, eqns, readers)
     fused = (bias_adds, float32_sums, residual_sums, chains, frozenset(deferred))
-    return Fusions(*fused, _arguments(jaxpr, passed), accumulated, selects)
+    return Fusions(*fused, arguments(jaxpr, passed), accumulated, selects)
 
 
 def _read_by_any(candidates, ids, eqns, readers) -> frozenset:
@@ -206,7 +206,7 @@ def _broadcast_from_fewer(v, eqns, producer):
     return made_by if fewer(_size(made_by.invars[0]), _size(v)) else None
 
 
-def _arguments(jaxpr, passed) -> frozenset:
+def arguments(jaxpr, passed) -> frozenset:
     invars = jaxpr.invars if passed is None else [jaxpr.invars[i] for i in sorted(passed)]
     found = set(invars) | set(jaxpr.constvars)
     for eqn in jaxpr.eqns:
@@ -216,10 +216,12 @@ def _arguments(jaxpr, passed) -> frozenset:
     return frozenset(found)
 
 
-def parameters(ctx, eqn, vals) -> list:
-    """Per operand of `eqn`, the float32 argument (a parameter) it is, or None."""
+def parameters(ctx, eqn, vals, among=None) -> list:
+    """Per operand of `eqn`, the float32 argument (a parameter) it is, or None;
+    `among`: variables in place of `ctx.arguments`."""
+    among = ctx.arguments if among is None else among
     return [
-        x if dtype_of(x) == F32 and _is_var(v) and v in ctx.arguments else None
+        x if dtype_of(x) == F32 and _is_var(v) and v in among else None
         for x, v in zip(vals, eqn.invars)
     ]
 

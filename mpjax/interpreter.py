@@ -181,6 +181,12 @@ class Context(NamedTuple):
     passed: frozenset | None = None
     """The input positions of the jaxpr evaluated next (a body's) that hold its
     caller's arguments (`passing`); None where all do (the function autocast wraps)."""
+    tables: frozenset = frozenset()
+    """The variables holding the function's parameters themselves: `arguments`
+    less a loop's carries and computed inputs. The lean policy rounds the rows a
+    gather reads from these only (an embedding's table); other rows are data."""
+    passed_tables: frozenset | None = None
+    """Likewise for `tables`: the positions of the next body's inputs holding them."""
     max_shifts: frozenset = frozenset()
     """ids of the ``x - max(x)`` of a softmax, run in float32 (`_shifts.max_shifts`)."""
     memo: dict | None = None
@@ -195,20 +201,25 @@ class Context(NamedTuple):
         only = frozenset(i for i, v in enumerate(eqn.outvars) if v in self.float32_only)
         return self.passing(eqn.invars)._replace(float32_outputs=only)
 
-    def passing(self, invars) -> Context:
+    def passing(self, invars, loop: bool = False) -> Context:
         """This context, for a body whose inputs are the caller's `invars` (None for
         none of them, True for a constant): an input is a parameter there only where
         it holds one here, so that an activation passed to a nested jit stays one.
-        A loop's body goes without: each of its inputs counts as a parameter, as a
+        A `loop`'s body goes without: each of its inputs counts as a parameter, as a
         float32 operand costs nothing where the loop keeps the 16-bit casts anyway,
-        and its gradient stays float32 (an RNN's inputs', its carry's)."""
-        positions = (
-            i
-            for i, v in enumerate(invars)
-            if v is True
-            or (v is not None and not isinstance(v, _compat.Literal) and v in self.arguments)
-        )
-        return self._replace(passed=frozenset(positions))
+        and its gradient stays float32 (an RNN's inputs', its carry's). Its `tables`
+        are narrowed all the same (its carries passed as None)."""
+
+        def holding(found):
+            return frozenset(
+                i
+                for i, v in enumerate(invars)
+                if v is True
+                or (v is not None and not isinstance(v, _compat.Literal) and v in found)
+            )
+
+        passed = None if loop else holding(self.arguments)
+        return self._replace(passed=passed, passed_tables=holding(self.tables))
 
     def child(self, invariant=(), probing: bool = False) -> Context:
         return self._replace(scope=Scope(self.scope, invariant), probing=self.probing or probing)
@@ -226,7 +237,13 @@ class Context(NamedTuple):
         if self.memo is None:
             return solve()
         signature = tuple(_signature(self.scope, x, w) for x, w in zip(vals, weak))
-        key = (id(eqn), self.region, signature)
+        # A jitted function's jaxpr, and so its equations, are shared by its calls,
+        # whose inputs may be parameters in one and activations in another.
+        roles = tuple(
+            not isinstance(v, _compat.Literal) and (v in self.arguments, v in self.tables)
+            for v in eqn.invars
+        )
+        key = (id(eqn), self.region, signature, roles)
         entry = self.memo.get(key)
         if entry is None:
             # The equation is kept with its result, so its id is not reused.
@@ -275,8 +292,11 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
         only = policy.float32_only_consumers(jaxpr, ctx.float32_outputs, elsewhere)
         ctx = ctx._replace(float32_only=only, float32_outputs=frozenset())
     fused = fusions.find(jaxpr, ctx.passed) if jaxpr.eqns else fusions.NONE
+    narrower = ctx.passed_tables != ctx.passed and jaxpr.eqns
     ctx = ctx._replace(
         passed=None,
+        passed_tables=None,
+        tables=fusions.arguments(jaxpr, ctx.passed_tables) if narrower else fused.arguments,
         bias_adds=fused.bias_adds,
         float32_sums=fused.float32_sums,
         residual_sums=fused.residual_sums,

@@ -156,20 +156,65 @@ def test_lean_policy_gathers_data_along_an_axis_exactly(dtype):
         )
 
 
+def _gather_in_scan_carry(x, rows):
+    def body(c, _):
+        return c, jnp.take(c, rows, axis=0) + 0.5
+    return jax.lax.scan(body, x * 1.0001, None, length=2)[1]
+
+
+def _gather_in_scan_const(x, rows):
+    y = x * 1.0001
+    return jax.lax.scan(lambda c, _: (c, jnp.take(y, rows, axis=0) + 0.5), 0.0, None, length=2)[1]
+
+
+def _gather_in_while_carry(x, rows):
+    def body(s):
+        i, c, acc = s
+        return i + 1, c, acc + jnp.take(c, rows, axis=0)
+    init = (0, x * 1.0001, jnp.zeros((3, 3)))
+    return jax.lax.while_loop(lambda s: s[0] < 2, body, init)[2]
+
+
 @pytest.mark.parametrize("dtype", [F16, BF16])
-def test_lean_policy_gathers_computed_values_exactly_inside_a_nested_jit(dtype):
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda x, rows: jnp.take(x * 1.0001, rows, axis=0),
+        lambda x, rows: jax.jit(lambda y: y[rows])(x * 1.0001),
+        _gather_in_scan_carry,
+        _gather_in_scan_const,
+        _gather_in_while_carry,
+    ],
+    ids=["take", "jit", "scan_carry", "scan_const", "while_carry"],
+)
+def test_lean_policy_gathers_computed_values_exactly_inside_a_nested_jit_or_loop(f, dtype):
     # jnp.take is a jit: its operand, computed here, is no parameter inside it, so
     # its gather reads data, not an embedding's table, and returns it unrounded.
+    # Likewise a loop's carry, and a value computed outside the loop.
     x = jnp.array([[1.0001, 1e5, 7e4], [2.0, 3.0, 8e4]])
     rows = jnp.array([1, 0, 1])
-    cases = [
-        lambda x: jnp.take(x * 1.0001, rows, axis=0),
-        lambda x: jax.jit(lambda y: y[rows])(x * 1.0001),
-    ]
-    for f in cases:
-        lean = mpjax.autocast(f, dtype=dtype, policy="lean")
-        chex.assert_trees_all_equal(lean(x), f(x))
-        chex.assert_trees_all_equal(jax.jit(lean)(x), jax.jit(f)(x))
+    lean = mpjax.autocast(f, dtype=dtype, policy="lean")
+    chex.assert_trees_all_equal(lean(x, rows), f(x, rows))
+    chex.assert_trees_all_equal(jax.jit(lean)(x, rows), jax.jit(f)(x, rows))
+
+
+@pytest.mark.parametrize("scanned", [False, True], ids=["closed_over", "scanned_over"])
+def test_lean_policy_rounds_the_rows_of_an_embedding_table_inside_a_loop(scanned):
+    # The table is the function's parameter, closed over by the loop's body or
+    # scanned over as a layer's: its gathered rows are rounded, as outside a loop.
+    table = jnp.array([[1.0001, 2.0], [3.0, 4.0001]])
+    ids = jnp.array([[0, 1], [1, 0]])
+
+    def f(table):
+        if scanned:  # a stack of two layers' tables
+            return jax.lax.scan(lambda c, t: (c, t[ids[0]]), 0.0, table)[1]
+        return jax.lax.scan(lambda c, i: (c, jnp.take(table, i, axis=0)), 0.0, ids)[1]
+
+    table = jnp.stack([table, table[::-1]]) if scanned else table
+
+    got = mpjax.autocast(f, policy="lean")(table)
+    chex.assert_trees_all_equal(got, f(table.astype(F16)).astype(got.dtype))
+    assert not np.array_equal(got, f(table))
 
 
 def test_lean_policy_keeps_the_users_float16_data_out_of_bfloat16():
