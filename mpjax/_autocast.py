@@ -199,6 +199,12 @@ def _check_fun(fun) -> None:
             "computed after autocast returns. Return a list of the values instead."
         )
     _linen.check_function(fun)
+    if isinstance(fun, (staticmethod, classmethod)):
+        kind = type(fun).__name__
+        raise TypeError(
+            f"autocast(fun): got a {kind} object, which a class would no longer bind as "
+            f"one. Put @{kind} above @autocast, as the outermost decorator."
+        )
     if not callable(fun):
         raise TypeError(
             f"autocast(fun): fun must be callable, got {type(fun).__name__}. Wrap the "
@@ -349,7 +355,7 @@ def trace_arrays(fun, args, kwargs, cache: _trace_cache.TraceCache | None = None
     shapes = iter(shapes)
     out_shape = jax.tree.unflatten(out_tree, [next(shapes) if x is None else x for x in statics])
     if cache is not None:
-        cache.put(key, closed, out_shape)
+        cache.put(key, closed, out_shape, [x for x in statics if x is not None])
     return closed, out_shape, dynamic_leaves
 
 

@@ -10,7 +10,8 @@ Unlike `jax.jit`, a trace is reused only where nothing it holds can have changed
 since: a function that reads arrays from outside its arguments (a model object
 called as the function, a global array) is traced at every call, since a trained
 parameter would otherwise come back with its old value; so is a call with a static
-leaf that could be mutated in place (an object, rather than a number or string).
+leaf that could be mutated in place (an object, rather than a number or string),
+and a function that returns such an object, which each call returns afresh.
 Scalars read from outside (a global Python number, a NumPy scalar or 0-d array)
 are literals of the jaxpr, not constants: fixed at the first trace, as under jit.
 Calls inside another trace are never cached, since values closed over from that
@@ -23,6 +24,7 @@ import collections
 import enum
 import types
 
+import jax
 import numpy as np
 
 from mpjax import _compat
@@ -39,20 +41,19 @@ class TraceCache:
         """The signature of a call, or None where the call cannot be cached: an
         argument is a tracer, or a static leaf is unhashable."""
         dynamic_set = set(dynamic)
-        arrays, statics = [], []
+        signature = []  # leaf by leaf: which are arrays is part of the signature
         for i, x in enumerate(leaves):
             if i in dynamic_set:
                 if _compat.is_tracer(x):
                     return None
-                arrays.append(
-                    (x.shape, x.dtype, getattr(x, "weak_type", False), getattr(x, "sharding", None))
-                )
+                sharding = getattr(x, "sharding", None)
+                signature.append((x.shape, x.dtype, getattr(x, "weak_type", False), sharding))
             else:
-                statics.append(_static(x))
-        statics.append(_static(_aux_data(treedef)))  # a pytree node's own static fields
-        if any(s is _MUTABLE for s in statics):
+                signature.append(_static(x))
+        signature.append(_static(_aux_data(treedef)))  # a pytree node's own static fields
+        if any(s is _MUTABLE for s in signature):
             return None  # an attribute `fun` reads may change before the next call
-        key = (treedef, _compat.trace_context(), tuple(arrays), tuple(statics))
+        key = (treedef, _compat.trace_context(), tuple(signature))
         try:
             hash(key)
         except TypeError:
@@ -70,11 +71,14 @@ class TraceCache:
             self._entries.move_to_end(key)
         return entry
 
-    def put(self, key, closed, out_shape) -> None:
+    def put(self, key, closed, out_shape, returned=()) -> None:
         """Stores a trace, unless it has constants, its calls' included: arrays `fun`
         read from outside its arguments (parameters that training replaces, tracers
-        of an outer trace)."""
+        of an outer trace); or unless a non-array leaf `fun` `returned` could be
+        mutated (a NumPy array, a list): each call returns objects of its own."""
         if key is None or _has_constants(closed):
+            return
+        if any(_static(x) is _MUTABLE for x in returned):
             return
         self._entries[key] = (closed, out_shape)
         if len(self._entries) > self.maxsize:
@@ -118,9 +122,20 @@ def _aux_data(treedef) -> tuple:
 
 def _has_constants(closed) -> bool:
     """Whether `closed`, or a jaxpr it calls (a nested jit's, a branch's), holds
-    constants."""
+    constants: its consts, or literals holding arrays (which they are with
+    ``jax_use_simplified_jaxpr_constants``)."""
     jaxpr, consts = _compat.jaxpr_and_consts(closed)
-    return bool(consts) or any(_has_constants(sub) for sub in _called(jaxpr))
+    if consts or any(_array_literal(v) for e in jaxpr.eqns for v in e.invars):
+        return True
+    return any(map(_array_literal, jaxpr.outvars)) or any(map(_has_constants, _called(jaxpr)))
+
+
+def _array_literal(v) -> bool:
+    """A literal that holds an array read from outside (not a scalar of the
+    program, which a NumPy 0-d array in a literal may be)."""
+    if not isinstance(v, _compat.Literal):
+        return False
+    return isinstance(v.val, jax.Array) or (isinstance(v.val, np.ndarray) and v.val.ndim > 0)
 
 
 def _called(jaxpr):

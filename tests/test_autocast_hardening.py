@@ -407,6 +407,55 @@ def test_eager_cache_is_bounded_and_skips_unhashable_statics():
     assert len(calls) == before + 1
 
 
+def test_eager_cache_tells_apart_which_arguments_are_arrays():
+    # Two leaves in both calls: an array and a static 2, swapped. Each is its own
+    # signature, positionally or by keyword.
+    x = jnp.array([10.0, 20.0])
+    sub = lambda a, b: a - b  # noqa: E731
+    g = mpjax.autocast(sub)
+    for args in ((x, 2), (2, x), (x, 2)):
+        chex.assert_trees_all_equal(g(*args), sub(*args))
+    for kwargs in ({"a": x, "b": 2}, {"a": 2, "b": x}):
+        chex.assert_trees_all_equal(g(**kwargs), sub(**kwargs))
+    lerp = lambda a, b, t: a + (b - a) * t  # noqa: E731
+    h = mpjax.autocast(lerp)
+    for args in ((x, 0.0, 0.25), (0.0, x, 0.25)):
+        chex.assert_trees_all_equal(h(*args), lerp(*args))
+
+
+def test_eager_calls_return_objects_of_their_own():
+    # A returned NumPy buffer or set is fresh at every call, as `fun` returns it.
+    def f(x):
+        return x * 2, np.zeros(3), set()
+
+    g = mpjax.autocast(f)
+    _, counts, tags = g(jnp.ones(3))
+    counts += 1
+    tags.add("seen")
+    _, counts2, tags2 = g(jnp.ones(3))
+    np.testing.assert_array_equal(counts2, np.zeros(3))
+    assert tags2 == set() and counts2 is not counts
+    h, calls = _counting(lambda x: (x * 2, "tag", 3))  # immutable: the trace is reused
+    k = mpjax.autocast(h)
+    assert k(jnp.ones(3))[1:] == k(jnp.ones(3))[1:] == ("tag", 3)
+    assert len(calls) == 1
+
+
+def test_eager_calls_see_a_rebound_global_with_simplified_jaxpr_constants():
+    # With this JAX option a closed-over array is a literal of the jaxpr, not a
+    # constant: the trace that holds it must not be reused either.
+    x = jnp.ones((2, 3))
+    box = {"b": jnp.ones(3)}
+    jax.config.update("jax_use_simplified_jaxpr_constants", True)
+    try:
+        g = mpjax.autocast(lambda x: x * box["b"])
+        np.testing.assert_array_equal(g(x), x)
+        box["b"] = jnp.full(3, 7.0)
+        np.testing.assert_array_equal(g(x), 7 * x)
+    finally:
+        jax.config.update("jax_use_simplified_jaxpr_constants", False)
+
+
 def test_eager_cache_never_keeps_values_of_an_outer_trace():
     # Under jit, `fn` closes over a tracer; the next trace must not see the old one.
     @jax.jit

@@ -186,6 +186,23 @@ def test_a_generator_function_is_refused_when_wrapped():
         mpjax.autocast(batches)
 
 
+@pytest.mark.parametrize("kind", [staticmethod, classmethod])
+def test_autocast_under_a_method_decorator_says_which_goes_outside(kind):
+    with pytest.raises(TypeError, match=f"Put @{kind.__name__} above @autocast"):
+        mpjax.autocast(kind(lambda x: x))
+    with pytest.raises(TypeError, match=f"Put @{kind.__name__} above @autocast"):
+        mpjax.autocast(dtype=jnp.bfloat16)(kind(lambda x: x))
+
+    class Model:  # the order that works
+        @kind
+        @mpjax.autocast
+        def f(*args):
+            return args[-1] @ args[-1]
+
+    x = jnp.ones((2, 2))
+    chex.assert_trees_all_equal(Model().f(x), Model.f(x), (x @ x).astype(jnp.float16))
+
+
 def test_array_used_as_a_shape_names_the_users_function_and_carries_the_hint():
     def loss(flag, params, n):
         return params["a"].sum() * jnp.ones(n) if flag else 0.0
