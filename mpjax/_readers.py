@@ -6,7 +6,7 @@ as it has layers (a residual stream, an accumulator), deeper than Python's stack
 
 from __future__ import annotations
 
-from mpjax import policy
+from mpjax import _compat, policy
 
 OUTPUT = -1
 """The reader index of a jaxpr's output."""
@@ -50,3 +50,19 @@ def read_by(v, eqns, readers, names, through=frozenset(), found=None) -> bool:
         else:
             stack.append((needed, answer(needed)))
             sent = None
+
+
+def is_mean(eqn, eqns, readers) -> bool:
+    """A collective sum whose every result a constant divides, as `lax.pmean`
+    does: rounded to 16 bits before the division, n devices' sum of values 16
+    bits hold could overflow."""
+    if eqn.primitive.name not in ("psum", "psum_invariant"):
+        return False
+    return all(
+        r != OUTPUT
+        and eqns[r].primitive.name == "div"
+        and eqns[r].invars[0] is v
+        and isinstance(eqns[r].invars[1], _compat.Literal)
+        for v in eqn.outvars
+        for r in readers[v]
+    )

@@ -75,8 +75,7 @@ def policy_rule(ctx, eqn, vals, weak):
     if rule is Rule.LOW and lean and eqn.primitive.name == "gather":
         # An embedding's table is a parameter; other gathers (a quantile's, of
         # sorted values) read data, which rounding would move (past 65504, to inf).
-        table = fusions.parameters(ctx, eqn, vals, among=ctx.tables)[0]
-        rule = rule if table is not None else Rule.AS_RECEIVED
+        rule = rule if fusions.is_table(ctx, eqn, vals) else Rule.AS_RECEIVED
     if rule is Rule.LOW and _products.runs_as_written(eqn, vals):
         rule = Rule.ORIGINAL
     if rule is Rule.LOW and not _constants.scales_fit(ctx.scope, vals, low):
@@ -212,7 +211,9 @@ def _float32_sums(eqn, vals, targets, ctx, weak):
         x if t is None or (b and exact and dtype_of(x) == F32) else ctx.scope.cast(x, t, w)
         for x, t, w, b in zip(vals, targets, weak, is_low)
     ]
-    if positional:  # each result has its input's dtype (psum, pvary of several values)
+    if id(eqn) in ctx.float32_sums:  # a mean's sum, divided next (`fusions.find`)
+        rounds_to = [None] * len(eqn.outvars)
+    elif positional:  # each result has its input's dtype (psum, pvary of several values)
         rounds_to = [d if b else None for d, b in zip(runs_in, is_low)]
     else:
         rounds_to = [next(iter(lows))] * len(eqn.outvars)

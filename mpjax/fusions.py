@@ -79,7 +79,8 @@ class Fusions(NamedTuple):
     bias_adds: frozenset = frozenset()
     """ids of the ``add`` equations of a product and its bias."""
     float32_sums: frozenset = frozenset()
-    """ids of the bias adds whose sum is handed on in float32 (read by `SQUASHING`)."""
+    """ids of the bias adds whose sum is handed on in float32 (read by `SQUASHING`),
+    and of the collective sums a constant divides (`lax.pmean`'s)."""
     residual_sums: frozenset = frozenset()
     """ids of the ``add`` equations that read a product's (or bias add's)
     float32 accumulator: its only readers, each adding another value to it."""
@@ -142,6 +143,7 @@ def find(jaxpr, passed=None) -> Fusions:
     summed = _read_by_any(adds, residual_sums, eqns, readers)
     takers = float32_sums | residual_sums | summed
     accumulated = _read_by_any([e for e in eqns if e.outvars], takers, eqns, readers)
+    float32_sums |= frozenset(id(e) for e in eqns if _readers.is_mean(e, eqns, readers))
     fused = (bias_adds, float32_sums, residual_sums, chains, frozenset(deferred))
     return Fusions(*fused, arguments(jaxpr, passed), accumulated, selects)
 
@@ -224,6 +226,11 @@ def parameters(ctx, eqn, vals, among=None) -> list:
         x if dtype_of(x) == F32 and _is_var(v) and v in among else None
         for x, v in zip(vals, eqn.invars)
     ]
+
+
+def is_table(ctx, eqn, vals) -> bool:
+    """Whether a gather reads one of the function's parameters (`Context.tables`)."""
+    return parameters(ctx, eqn, vals, among=ctx.tables)[0] is not None
 
 
 def _is_bias_add(eqn, eqns, producer) -> bool:

@@ -171,7 +171,8 @@ class Context(NamedTuple):
     bias_adds: frozenset = frozenset()
     """ids of the equations adding a bias to a product (`mpjax.fusions`)."""
     float32_sums: frozenset = frozenset()
-    """ids of those whose sum stays float32 (read by `mpjax.fusions.SQUASHING`)."""
+    """ids of those whose sum stays float32 (read by `mpjax.fusions.SQUASHING`), and
+    of the collective sums a mean divides next."""
     residual_sums: frozenset = frozenset()
     """ids of the adds that read a product's float32 accumulator (`mpjax.fusions`)."""
     accumulated: frozenset = frozenset()

@@ -486,6 +486,21 @@ def test_psum_inside_shard_map_follows_reduce_dtype():
         assert re.findall(r"\}\) : \(tensor<2x4x(\w+)>\)", text) == [want]
 
 
+@pytest.mark.parametrize("policy", ["torch", "lean"])
+def test_pmean_of_16_bit_values_divides_the_float32_sum(policy):
+    # lax.pmean is a psum, then a division: 8 devices' 20000 sum to 160000, which
+    # float16 cannot hold; their mean it can.
+    mesh = jax.make_mesh((N_DEV,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    body = lambda x, w: lax.pmean(x @ w, "d")  # noqa: E731
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("d"), P()), out_specs=P())
+    x, w = jnp.full((N_DEV, 4), 100.0), jnp.full((4, 4), 50.0)
+    g = mpjax.autocast(f, policy=policy)
+    for got in (g(x, w), jax.jit(g)(x, w)):
+        chex.assert_trees_all_equal(got, f(x, w))
+    grads = jax.grad(lambda w: jnp.sum(g(x, w)))(w)
+    chex.assert_trees_all_close(grads, jax.grad(lambda w: jnp.sum(f(x, w)))(w), rtol=1e-3)
+
+
 def test_a_partial_axis_name_is_refused_with_the_missing_axes():
     mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     tx = mpjax.grad_scaler(optax.adam(1e-3), axis_name="a")
