@@ -134,7 +134,9 @@ def _elementwise_sets(scope, eqn, known, outs) -> None:
 def evaluate(eqn, known, outs):
     """`eqn` on the concrete inputs `known`, if it gives the outputs' types."""
     try:
-        with jax.ensure_compile_time_eval():
+        # Evaluated, whatever trace is current: eager constant folding alone
+        # leaves an eager shard_map's body tracing.
+        with jax.ensure_compile_time_eval(), jax.core.eval_context():
             exact = _compat.bind(eqn, *known)
         exact = [np.asarray(e) for e in exact]
     except Exception:  # a primitive that cannot run eagerly: nothing is known

@@ -59,7 +59,10 @@ def _shard_map(ctx: Context, eqn, vals, weak):
         )
         return tuple(outs)
 
-    return list(jax.shard_map(body, **_compat.shard_map_kwargs(eqn.params))(*vals))
+    mapped = jax.shard_map(body, **_compat.shard_map_kwargs(eqn.params))
+    if _compat.staging_trace() is None:  # outside jit: eagerly, a nested shard_map fails
+        mapped = jax.jit(mapped)
+    return list(mapped(*vals))
 
 
 def _cond(ctx: Context, eqn, vals, weak):

@@ -501,6 +501,45 @@ def test_pmean_of_16_bit_values_divides_the_float32_sum(policy):
     chex.assert_trees_all_close(grads, jax.grad(lambda w: jnp.sum(f(x, w)))(w), rtol=1e-3)
 
 
+def test_constants_a_shard_map_body_computes_keep_their_values_outside_jit():
+    # Called eagerly, the body runs under shard_map's own trace: the values of
+    # `ones * 1e-8` and `ones * 8e4` must still be known, to run those products
+    # as written rather than flush to 0 or saturate at 65504.
+    mesh = jax.make_mesh((N_DEV,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def body(x, w):
+        return (x @ w) * (jnp.ones(4) * 1e-8), (x @ w) * (jnp.ones(4) * 8e4)
+
+    specs = {"mesh": mesh, "in_specs": (P("d"), P()), "out_specs": (P("d"), P("d"))}
+    f = jax.shard_map(body, **specs)
+    x, w = jnp.full((2 * N_DEV, 4), 0.5), jnp.full((4, 4), 0.5)
+    g = mpjax.autocast(f)
+    for got in (g(x, w), jax.jit(g)(x, w)):
+        chex.assert_trees_all_close(got, f(x, w), rtol=1e-3)
+    loss = lambda f: lambda w: jnp.sum(f(x, w)[0]) * 1e8  # noqa: E731
+    chex.assert_trees_all_close(jax.grad(loss(g))(w), jax.grad(loss(f))(w), rtol=1e-3)
+
+
+def test_a_jitted_shard_map_holding_another_runs_outside_jit():
+    # autocast inlines the user's jit; JAX cannot run the outer shard_map eagerly
+    # with one nested in it, so autocast runs it compiled.
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+    def outer(x, w):
+        inner = lambda x, w: lax.psum(x @ w, "b")  # noqa: E731
+        specs = {"in_specs": (P(None, "b"), P("b")), "out_specs": P(), "axis_names": {"b"}}
+        return jax.shard_map(inner, **specs)(x, w)
+
+    with jax.set_mesh(mesh):
+        specs = {"in_specs": (P("a"), P()), "out_specs": P("a"), "axis_names": {"a"}}
+        f = jax.jit(jax.shard_map(outer, mesh=mesh, **specs))
+        x = jax.device_put(jnp.arange(64.0).reshape(8, 8) / 64, P("a", "b"))
+        w = jnp.full((8, 8), 0.5)
+        got = mpjax.autocast(f)(x, w)
+        chex.assert_trees_all_close(got, f(x, w), rtol=1e-2)
+        chex.assert_trees_all_equal(got, jax.jit(mpjax.autocast(f))(x, w))
+
+
 def test_a_partial_axis_name_is_refused_with_the_missing_axes():
     mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     tx = mpjax.grad_scaler(optax.adam(1e-3), axis_name="a")
