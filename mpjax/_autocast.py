@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-import weakref
 from typing import Callable
 
 import jax
@@ -26,6 +25,7 @@ from mpjax import _compat
 from mpjax import _constants
 from mpjax import _leaves
 from mpjax import _linen
+from mpjax import _marks
 from mpjax import _nnx
 from mpjax import _trace_cache
 from mpjax import control_flow  # noqa: F401  (registers the higher-order rules)
@@ -242,24 +242,7 @@ def _wrap(fun, region: Region, enabled: bool):
             with _linen.checked_call(fun):
                 return _autocast_call(fun, region, args, kwargs, cache)
 
-    return _marked(wrapped, fun)
-
-
-def _marked(wrapper, fun):
-    """`wrapper`, marked as autocast's of `fun` (`original_of` reads it): `audit`
-    counts the casts autocast adds. The mark names `wrapper` itself, since
-    functools.wraps in other transforms (jax.grad) copies attributes onward, and
-    weakly: a cycle would keep a dropped function and its closed-over arrays alive
-    until Python's cycle collector runs."""
-    wrapper.__mpjax_autocast__ = (weakref.ref(wrapper), fun)
-    return wrapper
-
-
-def original_of(fun):
-    """The function `autocast` wrapped into `fun`, or None if `fun` is no autocast
-    function (a transform of one, jax.grad(autocast(f)), is not)."""
-    ref, original = getattr(fun, "__mpjax_autocast__", (None, None))
-    return original if ref is not None and ref() is fun else None
+    return _marks.marked(wrapped, fun)
 
 
 def _wrap_module(fun, bound, region: Region, enabled: bool):
@@ -277,7 +260,7 @@ def _wrap_module(fun, bound, region: Region, enabled: bool):
     except (TypeError, ValueError):
         pass
     call.__mpjax_module__ = (inner, module)  # `audit` traces `inner` with the module passed
-    return _marked(call, fun)
+    return _marks.marked(call, fun)
 
 
 _STATIC_HINT = (

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpjax import _nnx
-from mpjax._autocast import POLICIES, original_of
+from mpjax._autocast import POLICIES
+from mpjax._marks import original_of
 from mpjax._float32 import MAX_F32, MIN_NORMAL_F32
 from mpjax.scaler_state import get_scale
 

@@ -37,6 +37,9 @@ class TraceCache:
         self.maxsize = maxsize
         self._entries: collections.OrderedDict = collections.OrderedDict()
 
+    def __reduce__(self):  # a pickled autocast function traces afresh where it lands
+        return TraceCache, (self.maxsize,)
+
     def key(self, leaves, treedef, dynamic):
         """The signature of a call, or None where the call cannot be cached: an
         argument is a tracer, or a static leaf is unhashable."""

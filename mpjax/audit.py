@@ -12,7 +12,8 @@ import numpy as np
 
 from mpjax import _compat, _nnx
 from mpjax import policy
-from mpjax._autocast import original_of, trace_arrays
+from mpjax._autocast import trace_arrays
+from mpjax._marks import original_of
 
 _MATMULS = frozenset(policy.LOW_PRECISION)
 

@@ -66,6 +66,20 @@ def test_call_forms(make):
     assert _precisions(f, _w(2, 2), _w(2, 2))[0] in (F16, BF16)
 
 
+def test_an_autocast_function_ships_by_value_with_cloudpickle():
+    # As Ray or a spawned process receives a function defined in a script: by value.
+    import cloudpickle
+
+    loss = mpjax.autocast(lambda w, x: jnp.sum(jnp.tanh(x @ w)), dtype=BF16)
+    w, x = _w(4, 3), _w(2, 4)
+    loss(w, x)  # a call fills the trace cache, which is not shipped
+    for shipped in (loss, jax.jit(loss)):
+        copy = cloudpickle.loads(cloudpickle.dumps(shipped))
+        chex.assert_trees_all_equal(copy(w, x), shipped(w, x))
+    copy = cloudpickle.loads(cloudpickle.dumps(loss))
+    assert str(mpjax.audit(copy, w, x)) == str(mpjax.audit(loss, w, x))
+
+
 def test_decorator_syntax():
     @mpjax.autocast
     def f(a):
