@@ -58,7 +58,7 @@ import numpy as np
 from mpjax import _bias, _compat, _constants, _pointwise, _readers, policy
 from mpjax._casting import F32, convert, dtype_of, fewer, is_concrete, size
 
-_PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
+_PRODUCTS = frozenset({"dot_general", "ragged_dot_general", "conv_general_dilated"})
 SQUASHING = frozenset({"tanh", "logistic"})
 """The gate functions a bias add's sum is handed to in float32 (`find`): their
 backward pass keeps their result, not their operand."""

@@ -159,6 +159,7 @@ def test_lean_policy_gathers_data_along_an_axis_exactly(dtype):
 def _gather_in_scan_carry(x, rows):
     def body(c, _):
         return c, jnp.take(c, rows, axis=0) + 0.5
+
     return jax.lax.scan(body, x * 1.0001, None, length=2)[1]
 
 
@@ -171,6 +172,7 @@ def _gather_in_while_carry(x, rows):
     def body(s):
         i, c, acc = s
         return i + 1, c, acc + jnp.take(c, rows, axis=0)
+
     init = (0, x * 1.0001, jnp.zeros((3, 3)))
     return jax.lax.while_loop(lambda s: s[0] < 2, body, init)[2]
 

@@ -76,6 +76,21 @@ def test_grouped_products_multiply_16_bit_values_backward_too(low):
         assert e.params["preferred_element_type"] == (low if forward else F32)
 
 
+@pytest.mark.parametrize("low", [jnp.float16, jnp.bfloat16])
+def test_an_activation_between_grouped_products_keeps_16_bits_for_the_backward_pass(low):
+    # An expert MLP: as between two dot_generals, the GELU computes in float32 and
+    # its internals are made again in the backward pass, not kept in float32.
+    w1, x, _ = _experts(tokens=256, features=64, out=128)
+    w2 = jax.random.normal(jax.random.key(7), (len(SIZES), 128, 64)) / np.sqrt(128)
+
+    def loss(w1, w2, x):
+        h = jax.nn.gelu(lax.ragged_dot(x, w1, GROUP_SIZES))
+        return jnp.sum(lax.ragged_dot(h, w2, GROUP_SIZES).astype(F32) ** 2)
+
+    _, residuals = jax.vjp(lambda w1, w2: mpjax.autocast(loss, dtype=low)(w1, w2, x), w1, w2)
+    hidden = [leaf.dtype for leaf in jax.tree.leaves(residuals) if np.shape(leaf) == (256, 128)]
+    assert hidden and set(hidden) == {np.dtype(low)}, hidden
+
 
 @pytest.mark.parametrize("dtype, low", [(jnp.float16, "f16"), (jnp.bfloat16, "bf16")])
 def test_gpu_program_multiplies_16_bit_groups(dtype, low):
@@ -92,6 +107,7 @@ def test_gpu_program_multiplies_16_bit_groups(dtype, low):
     ]
     # the forward product; the tokens' gradient and the experts' (float32 arguments)
     assert sorted(types) == sorted([[low, low, low]] + [[low, low, "f32"]] * 2), types
+
 
 @pytest.mark.parametrize("transform", ["scan", "checkpoint"])
 def test_grouped_products_compose(low, transform):
