@@ -35,7 +35,7 @@ from mpjax import _shifts
 from mpjax import first_order
 from mpjax import fusions
 from mpjax import policy
-from mpjax._casting import convert, dtype_of
+from mpjax._casting import F32, convert, dtype_of
 
 _MARKER = "mpjax_autocast_"
 _MARKER_RE = re.compile(_MARKER + r"(off|float16|bfloat16)(_lean)?(_reduce_low)?")
@@ -346,7 +346,7 @@ def _fuses(ctx: Context, chain, eqns, env) -> bool:
         region.dtype is not None
         and not region.lean
         and not weak
-        and (dtype_of(source) == region.dtype)
+        and dtype_of(source) in (region.dtype, F32)
     )
 
 

@@ -378,6 +378,37 @@ def test_gradients_match_float32_as_before():
     chex.assert_trees_all_close(grads, reference, rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.parametrize("act", [jax.nn.silu, _gelu], ids=["silu", "gelu"])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_an_activation_of_a_float32_norm_output_keeps_only_its_input(act, dtype):
+    # A norm's output is float32, as torch's; the SiLU or GELU a product reads
+    # computes on it in float32 and is made again in the backward pass, which keeps
+    # its float32 input (as torch's silu backward does) and the product's 16-bit
+    # operand, not float32 intermediates (the sigmoid, its derivative).
+    def layer(act):
+        def loss(p, x):
+            h = x @ p["w1"]
+            centred = h - h.mean(-1, keepdims=True)
+            normed = centred * jax.lax.rsqrt((centred**2).mean(-1, keepdims=True) + 1e-5)
+            return jnp.sum((act(normed * p["g"] + p["b"]) @ p["w2"]).astype(F32) ** 2)
+
+        return loss
+
+    def kept(loss):
+        _, residuals = jax.vjp(lambda p: mpjax.autocast(loss, dtype=dtype)(p, x), p)
+        return [str(leaf.dtype) for leaf in jax.tree.leaves(residuals) if np.size(leaf) == 64 * 16]
+
+    p = {"w1": _w(8, 16), "g": _w(16, seed=1), "b": _w(16, seed=2), "w2": _w(16, 4, seed=3)}
+    x = _w(64, 8, seed=4)
+    # What the activation adds to the norm's residuals and the product's operand:
+    # its float32 input alone.
+    assert sorted(kept(layer(act))) == sorted([*kept(layer(lambda v: v)), "float32"])
+    got = jax.grad(mpjax.autocast(layer(act), dtype=dtype))(p, x)
+    for g, want in zip(jax.tree.leaves(got), jax.tree.leaves(jax.grad(layer(act))(p, x))):
+        eps = float(jnp.finfo(dtype).eps)
+        chex.assert_trees_all_close(g, want, rtol=8 * eps, atol=8 * eps * np.abs(want).max())
+
+
 def test_an_activation_not_read_by_a_product_keeps_torchs_float32_result():
     f = mpjax.autocast(lambda x, w: jnp.sum(_gelu(x @ w)), dtype=BF16)
     jaxpr = jax.make_jaxpr(f)(_w(4, 8), _w(8, 16))
