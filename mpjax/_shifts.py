@@ -15,7 +15,7 @@ from mpjax import _compat, policy
 # Primitives that carry a reduction's result to the operand's shape unchanged.
 _CARRIERS = frozenset({
     "broadcast_in_dim", "reshape", "expand_dims", "squeeze", "convert_element_type",
-    "stop_gradient",
+    "stop_gradient", "transpose",
 })  # fmt: skip
 
 
@@ -74,10 +74,14 @@ def _finite_guard(made_by, select) -> bool:
 def _same(made_by, a, b) -> bool:
     """Whether `a` and `b` hold the same values: one variable, or the results of two
     calls of one jitted function on the same arguments (``jnp.where(mask, x, -inf)``,
-    written twice by ``log_softmax(where=)`` and ``softmax(where=)``)."""
+    written twice by ``log_softmax(where=)`` and ``softmax(where=)``); or `b` a
+    transpose of `a` (``jax.nn.dot_product_attention`` shifts its logits' transpose,
+    the maximum transposed alike)."""
     if a is b:
         return True
     ea, eb = made_by.get(a), made_by.get(b)
+    if eb is not None and eb.primitive.name == "transpose" and eb.invars[0] is a:
+        return True
     if (
         ea is None
         or eb is None

@@ -1095,6 +1095,22 @@ def test_the_softmax_shift_by_the_maximum_runs_in_float32(fn, low):
     np.testing.assert_allclose(out.astype(F32), fn(held), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("implementation", ["xla", None])
+def test_dot_product_attention_shifts_its_logits_in_float32(implementation):
+    # It shifts the transpose of its logits by their maximum, transposed alike.
+    # Here one logit is 9 and 8191 are -0.03: the output is the others' total weight,
+    # 0.4952, which a bfloat16 shift (-9.03 as -9.0) moves by 1.8%.
+    n = 8192
+    q = jnp.ones((1, 1, 1, 1))
+    k = jnp.full((1, n, 1, 1), -0.03).at[0, 0].set(9.0)
+    v = jnp.ones((1, n, 1, 1)).at[0, 0].set(0.0)
+    f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=implementation)  # noqa: E731
+    g = mpjax.autocast(f, dtype=jnp.bfloat16)
+    shifts = mpjax.audit(g, q, k, v).find("reduce_max") + mpjax.audit(g, q, k, v).find("sub")
+    assert shifts and all(set(e.in_dtypes) == {"float32"} for e in shifts), shifts
+    np.testing.assert_allclose(g(q, k, v).astype(F32), f(q, k, v), rtol=4e-3)
+
+
 def test_a_masked_softmax_cross_entropy_is_finite_where_float32_is():
     # Invalid classes filled with float16's lowest number, and a where= mask of the
     # examples (all valid here): in 16 bits the shift -65504 - max overflows to
