@@ -126,3 +126,44 @@ def _quotient_jvp(primals, tangents):
 
 
 _quotient.defjvp(_quotient_jvp, symbolic_zeros=True)
+
+
+def float32_tangent(primal, tangent):
+    """`primal`, linear in its floating arguments, whose JVP is `tangent` (the
+    same function, at float32, its results rounded): its transpose, the sum JAX
+    makes of it, is float32. Integer arguments (indices) reach `tangent` as
+    they are."""
+    fun = jax.custom_jvp(lambda *xs: list(primal(*xs)))
+
+    @fun.defjvp
+    def jvp(primals, tangents):
+        ts = [t if policy.is_castable(dtype_of(p)) else p for p, t in zip(primals, tangents)]
+        return fun(*primals), list(tangent(*ts))
+
+    return fun
+
+
+# Elementwise primitives whose derivative multiplies by an operand: JAX keeps that
+# operand for the backward pass as it was bound.
+_KEEPS_OPERANDS = frozenset({"mul", "div"})
+
+
+def widened(eqn, vals, targets, weak, lone=()):
+    """`mul` or `div` of a 16-bit activation and a float32 value, at float32: bound in
+    a checkpoint that widens the activation, so that the backward pass keeps its
+    16-bit value, not a float32 copy (torch's mul keeps its operands as they come).
+    None unless the other operands are float32 already, none is a constant, and
+    the activation is read here alone (its positions in `lone`)."""
+    if eqn.primitive.name not in _KEEPS_OPERANDS or any(weak):
+        return None
+    dtypes = [dtype_of(x) for x in vals]
+    low = [t == F32 and d in policy.LOW_DTYPES for d, t in zip(dtypes, targets)]
+    if not any(low) or not all(w or d == F32 for w, d in zip(low, dtypes)):
+        return None
+    if not all(i in lone for i, w in enumerate(low) if w):
+        return None
+
+    def compute(*xs):
+        return _compat.bind(eqn, *[convert(x, F32, False) if w else x for x, w in zip(xs, low)])
+
+    return list(jax.checkpoint(compute, prevent_cse=False)(*vals))

@@ -20,7 +20,8 @@ import numpy as np
 
 from mpjax import _compat, _constants, _products, fusions, policy
 from mpjax._casting import F32, convert, dtype_of, explicit_sharding, fewer, is_concrete, size
-from mpjax._pointwise import bind_quotient
+from mpjax import _pointwise
+from mpjax._pointwise import bind_quotient, float32_tangent
 from mpjax.policy import Rule
 
 # Primitives bound with a derivative of their own, not JAX's (`bind_quotient`).
@@ -99,6 +100,10 @@ def policy_rule(ctx, eqn, vals, weak):
         outs = _broadcast_in_float32(ctx, eqn, vals, targets, weak)
         if outs is not None:
             return outs
+    if low is not None and not lean and rule is Rule.WIDEST:
+        outs = _pointwise.widened(eqn, vals, targets, weak, ctx.lone.get(id(eqn), ()))
+        if outs is not None:  # a 16-bit operand widened: the backward pass keeps it
+            return outs
     args = _cast_all(ctx, vals, targets, weak)
     updates = {}
     if rule is Rule.LOW:
@@ -172,7 +177,7 @@ def _sums_in_float32(region, name) -> bool:
 
 # How the primitives of `policy.SUMMED_BY_AUTODIFF` get float32 derivatives.
 # Those linear in their floating inputs run on 16-bit values as they are, with a
-# custom JVP at float32 (`_float32_tangent`): no convert in the forward pass.
+# custom JVP at float32 (`_pointwise.float32_tangent`): no convert in the forward pass.
 _LINEAR = frozenset({
     "broadcast_in_dim", "tile", "gather", "pad", "all_gather", "all_gather_invariant", "pvary",
 })  # fmt: skip
@@ -236,7 +241,7 @@ def _float32_sums(eqn, vals, targets, ctx, weak):
         if eqn.primitive.name in _CHOOSERS:
             chooser = _chooser_float32_tangent(lambda x: primal(x)[0], eqn.params["axes"])
             return [chooser(*args)]
-        return list(_float32_tangent(primal, compute)(*args))
+        return list(float32_tangent(primal, compute)(*args))
     if eqn.primitive.name in _KEEP_OPERAND:
         return list(jax.checkpoint(compute, prevent_cse=False)(*args))
     return compute(*args)
@@ -266,21 +271,6 @@ def _chooser_float32_tangent(primal, axes):
     return fun
 
 
-def _float32_tangent(primal, tangent):
-    """`primal`, linear in its floating arguments, whose JVP is `tangent` (the
-    same function, at float32, its results rounded): its transpose, the sum JAX
-    makes of it, is float32. Integer arguments (indices) reach `tangent` as
-    they are."""
-    fun = jax.custom_jvp(lambda *xs: list(primal(*xs)))
-
-    @fun.defjvp
-    def jvp(primals, tangents):
-        ts = [t if policy.is_castable(dtype_of(p)) else p for p, t in zip(primals, tangents)]
-        return fun(*primals), list(tangent(*ts))
-
-    return fun
-
-
 def _derivatives_sum_nothing(eqn, vals, weak) -> bool:
     """Constants (literals, values computed from literals alone), a broadcast
     that only adds axes of size 1, a pad with a constant padding value: their
@@ -303,7 +293,7 @@ def _is_low(dtype) -> bool:
 def _broadcast_in_float32(ctx, eqn, vals, targets, weak):
     """An elementwise primitive whose 16-bit operand it would broadcast implicitly:
     that operand is broadcast explicitly (sharded as the result), with its tangent
-    broadcast at float32 (`_float32_tangent`), and the primitive bound. None if none.
+    broadcast at float32 (`_pointwise.float32_tangent`), and the primitive bound. None if none.
 
     The transpose of an implicit broadcast sums the cotangent in the operand's dtype;
     that of a broadcast of a float32 tangent sums in float32. A float32 value that the
@@ -339,7 +329,7 @@ def _broadcast_in_float32(ctx, eqn, vals, targets, weak):
                 t = broadcast(convert(t, F32, False), broadcast_dimensions=dims)
                 return [convert(t, low, False)]
 
-            (xs[i],) = _float32_tangent(primal, tangent)(xs[i])
+            (xs[i],) = float32_tangent(primal, tangent)(xs[i])
         return _BIND.get(eqn.primitive.name, _compat.bind)(eqn, *xs)
 
     if eqn.primitive.name not in ("add", "sub"):

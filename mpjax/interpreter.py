@@ -30,6 +30,7 @@ from mpjax import _compat
 from mpjax import _constants
 from mpjax import _pointwise
 from mpjax import _prescale
+from mpjax import _readers
 from mpjax import _reorder
 from mpjax import _shifts
 from mpjax import first_order
@@ -188,6 +189,8 @@ class Context(NamedTuple):
     gather reads from these only (an embedding's table); other rows are data."""
     passed_tables: frozenset | None = None
     """Likewise for `tables`: the positions of the next body's inputs holding them."""
+    lone: dict = {}
+    """By equation id, the operands of a mul or div nothing else reads (`_readers`)."""
     max_shifts: frozenset = frozenset()
     """ids of the ``x - max(x)`` of a softmax, run in float32 (`_shifts.max_shifts`)."""
     memo: dict | None = None
@@ -304,6 +307,7 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
         accumulated=fused.accumulated,
         arguments=fused.arguments,
         max_shifts=_shifts.max_shifts(jaxpr) if jaxpr.eqns else frozenset(),
+        lone=_readers.lone_operands(jaxpr),
     )
     folds = _prescale.Folds(jaxpr, fused, consts)  # attention's scale: `mpjax._prescale`
     pools = _reorder.relu_pools(jaxpr) if jaxpr.eqns and not ctx.region.lean else {}

@@ -409,12 +409,49 @@ def test_an_activation_of_a_float32_norm_output_keeps_only_its_input(act, dtype)
         chex.assert_trees_all_close(g, want, rtol=8 * eps, atol=8 * eps * np.abs(want).max())
 
 
+@pytest.mark.parametrize("op", [jnp.multiply, jnp.divide], ids=["mul", "div"])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_a_16_bit_activation_a_float32_factor_widens_is_kept_in_16_bits(op, dtype):
+    # exp(x @ v) is float32 (exp is on the float32 list), so `gate * message` is
+    # float32, as torch's; the backward pass keeps the 16-bit message as computed,
+    # as torch's mul keeps its operands, not a float32 copy of it.
+    def loss(p, x):
+        gate = jnp.exp(x @ p["v"])  # [64, 1]
+        return jnp.sum((op(x @ p["w"], gate) @ p["u"]).astype(F32) ** 2)
+
+    p = {"v": _w(8, 1), "w": _w(8, 16, seed=1), "u": _w(16, 4, seed=2)}
+    x = _w(64, 8, seed=3)
+    f = mpjax.autocast(loss, dtype=dtype)
+    _, residuals = jax.vjp(lambda p: f(p, x), p)
+    kept = [str(leaf.dtype) for leaf in jax.tree.leaves(residuals) if np.shape(leaf) == (64, 16)]
+    assert kept and set(kept) == {np.dtype(dtype).name}, kept
+    got, want = jax.grad(f)(p, x), jax.grad(loss)(p, x)
+    eps = float(jnp.finfo(dtype).eps)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        chex.assert_trees_all_close(g, w, rtol=16 * eps, atol=16 * eps * np.abs(w).max())
+
+
+def test_a_16_bit_activation_two_float32_factors_widen_keeps_one_float32_copy():
+    # Its two cotangents then add in float32 and round once; widened apart, each
+    # would round to 16 bits and they would add in 16 bits.
+    def loss(p, x):
+        m = x @ p["w"]
+        return jnp.sum(((m * jnp.exp(x @ p["v"]) + m * jnp.exp(x @ p["u"])) @ p["o"]) ** 2)
+
+    p = {"w": _w(8, 16), "v": _w(8, 1, seed=1), "u": _w(8, 1, seed=2), "o": _w(16, 4, seed=3)}
+    x = _w(64, 8, seed=4)
+    _, residuals = jax.vjp(lambda p: mpjax.autocast(loss, dtype=BF16)(p, x), p)
+    kept = [str(leaf.dtype) for leaf in jax.tree.leaves(residuals) if np.shape(leaf) == (64, 16)]
+    assert kept.count("float32") == 1, kept
+
+
 def test_an_activation_not_read_by_a_product_keeps_torchs_float32_result():
     f = mpjax.autocast(lambda x, w: jnp.sum(_gelu(x @ w)), dtype=BF16)
     jaxpr = jax.make_jaxpr(f)(_w(4, 8), _w(8, 16))
     (tanh,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "tanh"]
     assert tanh.outvars[0].aval.dtype == F32
-    assert not any(e.primitive.name in ("remat2", "checkpoint") for e in all_eqns(jaxpr))
+    remats = [e for e in all_eqns(jaxpr) if e.primitive.name in ("remat2", "checkpoint")]
+    assert not any(e.primitive.name == "tanh" for r in remats for e in all_eqns(r.params["jaxpr"]))
 
 
 def test_float32_accumulator_is_for_parameters_not_activations():
