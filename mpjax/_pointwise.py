@@ -11,7 +11,7 @@ import functools
 import jax
 import numpy as np
 
-from mpjax import _compat, policy
+from mpjax import _compat, _constants, policy
 from mpjax._casting import F32, convert, dtype_of
 from mpjax.policy import Rule
 
@@ -167,3 +167,26 @@ def widened(eqn, vals, targets, weak, lone=()):
         return _compat.bind(eqn, *[convert(x, F32, False) if w else x for x, w in zip(xs, low)])
 
     return list(jax.checkpoint(compute, prevent_cse=False)(*vals))
+
+
+def by_constant(scope, eqn, vals, targets, weak):
+    """``x * c``, ``c * x`` or ``x / c`` of a 16-bit `x` by a constant that its dtype
+    holds only rounded (0.1, 1/3, an EMA's 0.001), computed in float32 and rounded
+    once, as torch's opmath computes with a Python scalar: the constant rounded
+    first would move every result by the same relative amount (up to 2**-11 in
+    float16, 2**-8 in bfloat16), a bias averaging keeps. None otherwise."""
+    name = eqn.primitive.name
+    if name not in _KEEPS_OPERANDS or len(vals) != 2 or weak[0] == weak[1]:
+        return None
+    i = 0 if weak[1] else 1  # the value, then the constant
+    if name == "div" and i != 0:
+        return None  # c / x keeps x for its derivative: left as it is
+    low = targets[i]
+    known = _constants.values(scope, vals[1 - i])
+    if low not in policy.LOW_DTYPES or dtype_of(vals[i]) != low or known is None:
+        return None
+    c = np.asarray(known, F32)  # the values it holds (not its shape, if large)
+    if np.array_equal(c.astype(low).astype(F32), c, equal_nan=True):
+        return None  # held exactly: a power of two, a small integer
+    args = [convert(vals[i], F32, False), convert(vals[1 - i], F32, False)]
+    return [convert(o, low, False) for o in _compat.bind(eqn, *(args if i == 0 else args[::-1]))]

@@ -100,9 +100,12 @@ def policy_rule(ctx, eqn, vals, weak):
         outs = _broadcast_in_float32(ctx, eqn, vals, targets, weak)
         if outs is not None:
             return outs
-    if low is not None and not lean and rule is Rule.WIDEST:
+    if low is not None and not lean and rule is Rule.WIDEST:  # `mpjax._pointwise`
+        # A 16-bit operand widened, kept as it is; a constant 16 bits would round
+        # (lean rounds it, as Flax's dtype= does), computed in float32.
         outs = _pointwise.widened(eqn, vals, targets, weak, ctx.lone.get(id(eqn), ()))
-        if outs is not None:  # a 16-bit operand widened: the backward pass keeps it
+        outs = outs or _pointwise.by_constant(ctx.scope, eqn, vals, targets, weak)
+        if outs is not None:
             return outs
     args = _cast_all(ctx, vals, targets, weak)
     updates = {}

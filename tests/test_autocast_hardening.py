@@ -1436,15 +1436,37 @@ def test_a_scaled_products_result_is_the_product_as_written_where_it_is_finite(
     chex.assert_trees_all_equal(moved, as_written)
     # The scale's power of two multiplies an operand (float32 here: before its
     # cast; one operand at most 2**-3), and what is left of it the product's result
-    # (1/sqrt(2) of 1/sqrt(128) = 2**-3 / sqrt(2)).
+    # (1/sqrt(2) of 1/sqrt(128) = 2**-3 / sqrt(2)), in float32 as torch multiplies
+    # by a Python scalar: 16 bits hold 1/sqrt(2) only rounded.
     scales = sorted(
         (e.primitive.name, float(e.invars[1].val), e.outvars[0].aval.dtype == F32)
         for e in all_eqns(jaxpr)
         if e.primitive.name in ("mul", "div")
     )
-    left = float(jnp.asarray(1 / np.sqrt(2), low))
-    rest = [("mul", left, False)] if scale == 1 / np.sqrt(128) else []
+    left = float(np.float32(1 / np.sqrt(2)))
+    rest = [("mul", left, True)] if scale == 1 / np.sqrt(128) else []
     assert scales == sorted([("mul", 0.125, True), *rest])
+
+
+@pytest.mark.parametrize("c", [1 / 3, 0.1, 1e-3])
+def test_a_factor_16_bits_hold_only_rounded_multiplies_in_float32(low, c):
+    # torch multiplies a 16-bit tensor by a Python scalar in float32 and rounds
+    # once; the factor rounded first (0.1 as 0.099976 in float16) would move every
+    # element by the same relative amount, a bias no average removes. (Results
+    # below float16's normal range may differ: the product's scale moves onto its
+    # operands, `test_a_scaled_products_result_is_the_product_as_written...`.)
+    w = jax.random.normal(jax.random.key(0), (64, 256)) / 8
+    x = jax.random.normal(jax.random.key(1), (32, 64))
+    h = mpjax.autocast(lambda w, x: x @ w, dtype=low)(w, x).astype(F32)  # the 16-bit product
+    for f, want in (
+        (lambda w, x: c * (x @ w), (np.float32(c) * h).astype(low)),
+        (lambda w, x: (x @ w) / c, (h / np.float32(c)).astype(low)),
+    ):
+        normal = np.abs(want.astype(F32)) >= jnp.finfo(low).smallest_normal
+        got = mpjax.autocast(f, dtype=low)(w, x)
+        chex.assert_trees_all_equal(got[normal], want[normal].astype(F32))
+        got = mpjax.autocast(f, dtype=low, policy="lean")(w, x)  # lean: as Flax's dtype=
+        chex.assert_trees_all_equal(got[normal], f(w.astype(low), x.astype(low))[normal])
 
 
 def test_a_scale_below_one_sixty_fourth_or_above_one_stays_after_the_product():
