@@ -1,7 +1,10 @@
 """An activation function between two products, evaluated as torch's fused
 activation kernels do (`mpjax.fusions` finds it): at float32 on a 16-bit
 activation, its result rounded once, and rematerialized for the backward pass.
-And the division by a float16 value, whose derivative is taken as torch takes it.
+And the other elementwise rules that follow torch: the division by a float16
+value, whose derivative is taken as torch takes it; a 16-bit operand widened by a
+float32 one, kept for the backward pass in 16 bits; a factor 16 bits hold only
+rounded, applied in float32; and float32 tangents of linear functions.
 """
 
 from __future__ import annotations

@@ -73,9 +73,10 @@ def is_mean(eqn, eqns, readers) -> bool:
 def lone_operands(jaxpr) -> dict:
     """By id of each ``mul`` and ``div`` equation of `jaxpr`, the positions of its
     operands that nothing else reads (no other equation, no output). A 16-bit one
-    widened there alone is widened again in the backward pass (`_pointwise.widened`)
-    at no cost in precision: its cotangent is rounded once either way, where a
-    value two operations widen has one float32 cotangent, rounded once."""
+    that only this operation widens is widened again in the backward pass
+    (`_pointwise.widened`) at no cost in precision: its cotangent is rounded once
+    either way. A value two operations widen keeps one float32 copy, so that their
+    cotangents add in float32 and round once."""
     counts = collections.Counter(v for e in jaxpr.eqns for v in e.invars if _is_var(v))
     counts.update(v for v in jaxpr.outvars if _is_var(v))
     return {

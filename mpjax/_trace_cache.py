@@ -78,7 +78,7 @@ class TraceCache:
         """Stores a trace, unless it has constants, its calls' included: arrays `fun`
         read from outside its arguments (parameters that training replaces, tracers
         of an outer trace); or unless a non-array leaf `fun` `returned` could be
-        mutated (a NumPy array, a list): each call returns objects of its own."""
+        mutated (a NumPy array, a set): each call returns objects of its own."""
         if key is None or _has_constants(closed):
             return
         if any(_static(x) is _MUTABLE for x in returned):
