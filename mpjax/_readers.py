@@ -6,8 +6,6 @@ as it has layers (a residual stream, an accumulator), deeper than Python's stack
 
 from __future__ import annotations
 
-import collections
-
 from mpjax import _compat, policy
 
 OUTPUT = -1
@@ -70,21 +68,19 @@ def is_mean(eqn, eqns, readers) -> bool:
     )
 
 
-def lone_operands(jaxpr) -> dict:
-    """By id of each ``mul`` and ``div`` equation of `jaxpr`, the positions of its
-    operands that nothing else reads (no other equation, no output). A 16-bit one
+def lone_operands(eqns, readers) -> dict:
+    """By id of each ``mul`` and ``div`` of `eqns`, the positions of its operands
+    that nothing else reads (`readers`: no other equation, no output). A 16-bit one
     that only this operation widens is widened again in the backward pass
     (`_pointwise.widened`) at no cost in precision: its cotangent is rounded once
     either way. A value two operations widen keeps one float32 copy, so that their
     cotangents add in float32 and round once."""
-    counts = collections.Counter(v for e in jaxpr.eqns for v in e.invars if _is_var(v))
-    counts.update(v for v in jaxpr.outvars if _is_var(v))
     return {
-        id(e): frozenset(i for i, v in enumerate(e.invars) if _is_var(v) and counts[v] == 1)
-        for e in jaxpr.eqns
+        id(e): frozenset(
+            i
+            for i, v in enumerate(e.invars)
+            if not isinstance(v, _compat.Literal) and len(readers[v]) == 1
+        )
+        for e in eqns
         if e.primitive.name in ("mul", "div")
     }
-
-
-def _is_var(v) -> bool:
-    return not isinstance(v, _compat.Literal)

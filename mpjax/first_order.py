@@ -76,7 +76,8 @@ def policy_rule(ctx, eqn, vals, weak):
     if rule is Rule.LOW and lean and eqn.primitive.name == "gather":
         # An embedding's table is a parameter; other gathers (a quantile's, of
         # sorted values) read data, which rounding would move (past 65504, to inf).
-        rule = rule if fusions.is_table(ctx, eqn, vals) else Rule.AS_RECEIVED
+        table = fusions.parameters(ctx, eqn, vals, among=ctx.tables)[0]  # `Context.tables`
+        rule = rule if table is not None else Rule.AS_RECEIVED
     if rule is Rule.LOW and _products.runs_as_written(eqn, vals):
         rule = Rule.ORIGINAL
     if rule is Rule.LOW and not _constants.scales_fit(ctx.scope, vals, low):

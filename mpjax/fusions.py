@@ -97,6 +97,8 @@ class Fusions(NamedTuple):
     selects: dict = {}
     """By the index of each floating ``select_n``: its operands broadcast from
     fewer elements, as (operand position, broadcast equation) pairs."""
+    lone: dict = {}
+    """By id of each mul and div, its operands nothing else reads (`_readers`)."""
 
 
 NONE = Fusions()
@@ -145,7 +147,8 @@ def find(jaxpr, passed=None) -> Fusions:
     accumulated = _read_by_any([e for e in eqns if e.outvars], takers, eqns, readers)
     float32_sums |= frozenset(id(e) for e in eqns if _readers.is_mean(e, eqns, readers))
     fused = (bias_adds, float32_sums, residual_sums, chains, frozenset(deferred))
-    return Fusions(*fused, arguments(jaxpr, passed), accumulated, selects)
+    lone = _readers.lone_operands(eqns, readers)
+    return Fusions(*fused, arguments(jaxpr, passed), accumulated, selects, lone)
 
 
 def _read_by_any(candidates, ids, eqns, readers) -> frozenset:
@@ -226,11 +229,6 @@ def parameters(ctx, eqn, vals, among=None) -> list:
         x if dtype_of(x) == F32 and _is_var(v) and v in among else None
         for x, v in zip(vals, eqn.invars)
     ]
-
-
-def is_table(ctx, eqn, vals) -> bool:
-    """Whether a gather reads one of the function's parameters (`Context.tables`)."""
-    return parameters(ctx, eqn, vals, among=ctx.tables)[0] is not None
 
 
 def _is_bias_add(eqn, eqns, producer) -> bool:

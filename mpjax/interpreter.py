@@ -30,7 +30,6 @@ from mpjax import _compat
 from mpjax import _constants
 from mpjax import _pointwise
 from mpjax import _prescale
-from mpjax import _readers
 from mpjax import _reorder
 from mpjax import _shifts
 from mpjax import first_order
@@ -190,7 +189,7 @@ class Context(NamedTuple):
     passed_tables: frozenset | None = None
     """Likewise for `tables`: the positions of the next body's inputs holding them."""
     lone: dict = {}
-    """By equation id, the operands of a mul or div nothing else reads (`_readers`)."""
+    """By equation id, the operands of a mul or div nothing else reads (`mpjax.fusions`)."""
     max_shifts: frozenset = frozenset()
     """ids of the ``x - max(x)`` of a softmax, run in float32 (`_shifts.max_shifts`)."""
     memo: dict | None = None
@@ -307,7 +306,7 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
         accumulated=fused.accumulated,
         arguments=fused.arguments,
         max_shifts=_shifts.max_shifts(jaxpr) if jaxpr.eqns else frozenset(),
-        lone=_readers.lone_operands(jaxpr),
+        lone=fused.lone,
     )
     folds = _prescale.Folds(jaxpr, fused, consts)  # attention's scale: `mpjax._prescale`
     pools = _reorder.relu_pools(jaxpr) if jaxpr.eqns and not ctx.region.lean else {}
