@@ -6,9 +6,11 @@ A weak value (computed from literals alone) never widens an operation, but a
 Literals are concrete; a constant the program computes is a tracer. `propagate`
 follows the values through the equations that make constants: exactly where the
 result is small (`EXACT_LIMIT` elements, evaluated at trace time), and as the set
-of values it can take where the equation only moves or selects values (a literal
-broadcast by ``jnp.full`` or ``jnp.where``) or computes elementwise from such sets
-(``jnp.ones(n) * 1e5``). `fits` then decides as for a literal.
+of values it can take (a `ValueSet`) where the equation only moves or selects
+values (a literal broadcast by ``jnp.full`` or ``jnp.where``) or computes
+elementwise from such sets (``jnp.ones(n) * 1e5``). `fits` then decides as for a
+literal. A body a higher-order primitive traces again (a checkpoint's, a branch's,
+a loop's) learns what is known of its arguments by `copy`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,16 @@ MOVES_VALUES = policy.LAYOUT | frozenset({
     "convert_element_type", "select_n", "pad", "max", "min", "clamp", "tile", "gather",
     "dynamic_slice", "reduce_max", "reduce_min", "cummax", "cummin", "sort",
 })  # fmt: skip
+
+
+class ValueSet(np.ndarray):
+    """The values a constant takes, each once, in place of its elements: what `fits`
+    judges, never what an equation is evaluated on (the sum of ``jnp.full(2048,
+    40.)`` is not 40)."""
+
+
+def value_set(values) -> ValueSet:
+    return np.unique(np.ravel(values)).view(ValueSet)
 
 
 CLOSED_OVER_LIMIT = 1 << 16
@@ -96,7 +108,7 @@ def propagate(scope, eqn, vals, outs, first_order: bool) -> None:
         return
     known = [values(scope, x) for x in vals]
     all_known = all(k is not None for k in known)
-    if first_order and all_known:
+    if first_order and all_known and not any(isinstance(k, ValueSet) for k in known):
         if all(isinstance(n := size(o), int) and n <= EXACT_LIMIT for o in outs):
             exact = evaluate(eqn, known, outs)
             if exact is not None:
@@ -107,9 +119,9 @@ def propagate(scope, eqn, vals, outs, first_order: bool) -> None:
     if floating and eqn.primitive.name in MOVES_VALUES:
         sources = [k for k, x in zip(known, vals) if policy.is_castable(dtype_of(x))]
         if sources and all(k is not None for k in sources):
-            union = np.unique(np.concatenate([np.ravel(k).astype(np.float64) for k in sources]))
+            union = np.concatenate([np.ravel(k).astype(np.float64) for k in sources])
             for o in floating:
-                scope.record_constant(o, union.astype(dtype_of(o)))
+                scope.record_constant(o, value_set(union.astype(dtype_of(o))))
     elif floating and first_order and all_known and eqn.primitive.name in policy.POINTWISE:
         _elementwise_sets(scope, eqn, known, outs)
 
@@ -119,16 +131,19 @@ def _elementwise_sets(scope, eqn, known, outs) -> None:
     ``jnp.ones(n) * 1e5``, ``(1 - causal_mask) * -1e9``): its results lie in the
     function of every combination of its inputs' values, a superset that `fits`
     judges as well. Skipped where the combinations are too many."""
-    sets = [np.unique(np.ravel(k)) for k in known]
+    sets = [value_set(k) for k in known]
     n = int(np.prod([len(v) for v in sets]))
     if n > EXACT_LIMIT:
         return
-    grids = [g.ravel().astype(k.dtype) for g, k in zip(np.meshgrid(*sets, indexing="ij"), known)]
+    grids = [
+        np.asarray(g).ravel().astype(k.dtype)
+        for g, k in zip(np.meshgrid(*sets, indexing="ij"), known)
+    ]
     flat = [jax.ShapeDtypeStruct((n,), dtype_of(o)) for o in outs]
     results = evaluate(eqn, grids, flat)
     for o, r in zip(outs, results or ()):
         if policy.is_castable(dtype_of(o)):
-            scope.record_constant(o, np.unique(r))
+            scope.record_constant(o, value_set(r))
 
 
 def evaluate(eqn, known, outs):
@@ -146,13 +161,24 @@ def evaluate(eqn, known, outs):
     return exact
 
 
-def copy(source, target, outer, inner) -> None:
+def copy(source, target, outer, inner, parts: bool = False) -> None:
     """Records in scope `target` what scope `source` knows of the values `outer`,
-    for the values `inner` standing for them in a nested trace."""
+    for the values `inner` standing for them in a nested trace (a checkpoint's or a
+    branch's arguments); with `parts`, for parts of them (the slices a loop body
+    takes of its scanned-over values, a shard_map body's shards), as sets."""
     for x, y in zip(outer, inner):
         known = values(source, x)
         if known is not None and not is_concrete(y):
-            target.record_constant(y, known)
+            target.record_constant(y, value_set(known) if parts else known)
+
+
+def record_times(scope, x, factor, product) -> None:
+    """Records in `scope` the values of `product`, the constant `x` times the number
+    `factor` (a scale moved onto it), where those of `x` are known."""
+    known = values(scope, x)
+    if known is not None and not is_concrete(product):
+        scaled = np.asarray(np.asarray(known) * factor, known.dtype)
+        scope.record_constant(product, value_set(scaled) if isinstance(known, ValueSet) else scaled)
 
 
 def fits(scope, x, dtype) -> bool:

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from mpjax import _compat, _constants, policy
-from mpjax._casting import F32, convert, dtype_of
+from mpjax._casting import F32, convert, dtype_of, fewer, size
 from mpjax.policy import Rule
 
 
@@ -177,7 +177,9 @@ def by_constant(scope, eqn, vals, targets, weak):
     holds only rounded (0.1, 1/3, an EMA's 0.001), computed in float32 and rounded
     once, as torch's opmath computes with a Python scalar: the constant rounded
     first would move every result by the same relative amount (up to 2**-11 in
-    float16, 2**-8 in bfloat16), a bias averaging keeps. None otherwise."""
+    float16, 2**-8 in bfloat16), a bias averaging keeps. So is a constant whose
+    values autocast cannot know, where it has fewer elements than `x`. None
+    otherwise."""
     name = eqn.primitive.name
     if name not in _KEEPS_OPERANDS or len(vals) != 2 or weak[0] == weak[1]:
         return None
@@ -185,11 +187,18 @@ def by_constant(scope, eqn, vals, targets, weak):
     if name == "div" and i != 0:
         return None  # c / x keeps x for its derivative: left as it is
     low = targets[i]
-    known = _constants.values(scope, vals[1 - i])
-    if low not in policy.LOW_DTYPES or dtype_of(vals[i]) != low or known is None:
+    if low not in policy.LOW_DTYPES or dtype_of(vals[i]) != low:
         return None
-    c = np.asarray(known, F32)  # the values it holds (not its shape, if large)
-    if np.array_equal(c.astype(low).astype(F32), c, equal_nan=True):
+    known = _constants.values(scope, vals[1 - i])
+    if known is None:
+        # Values unknown at trace time (a count summed from a large mask): a
+        # factor smaller than the value is applied in float32 rather than cast,
+        # which would saturate it silently.
+        if not fewer(size(vals[1 - i]), size(vals[i])):
+            return None
+    elif np.array_equal(
+        (c := np.asarray(known, F32)).astype(low).astype(F32), c, equal_nan=True
+    ):
         return None  # held exactly: a power of two, a small integer
     args = [convert(vals[i], F32, False), convert(vals[1 - i], F32, False)]
     return [convert(o, low, False) for o in _compat.bind(eqn, *(args if i == 0 else args[::-1]))]

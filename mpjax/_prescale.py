@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 
 from mpjax import _compat, _constants, _products, fusions, policy
-from mpjax._casting import F32, dtype_of
+from mpjax._casting import F32, dtype_of, is_concrete
 from mpjax.fusions import _is_var
 from mpjax.policy import Rule
 
@@ -177,7 +177,7 @@ class Folds:
         if not any(shares):
             return rule(ctx, eqn, vals, weak)
         self.moved[j] = (ctx.region, sum(shares))
-        scaled = [x * np.asarray(2.0**k, dtype_of(x)) if k else x for x, k in zip(vals[:2], shares)]
+        scaled = [_times(ctx, x, 2.0**k) if k else x for x, k in zip(vals[:2], shares)]
         return rule(ctx, eqn, [*scaled, *vals[2:]], weak)
 
     def _scale(self, j, rule, ctx, eqn, vals, weak):
@@ -189,7 +189,7 @@ class Folds:
         power = 2.0 ** (-e if eqn.primitive.name == "mul" else e)
         vals = list(vals)
         if _is_var(eqn.invars[k]):  # computed: its own value, exactly times the power
-            vals[k] = lax.mul(vals[k], np.asarray(power, dtype_of(vals[k])))
+            vals[k] = _times(ctx, vals[k], power)
             return rule(ctx, eqn, vals, weak)
         constant = np.asarray(vals[k])
         rest = constant * power
@@ -197,6 +197,15 @@ class Folds:
             return [vals[1 - k]]  # its rule would multiply the 16-bit result by 1
         vals[k] = np.asarray(rest, constant.dtype)
         return rule(ctx, eqn, vals, weak)
+
+
+def _times(ctx, x, power):
+    """`x` times `power`, a power of two; a constant's values known as `x`'s are
+    (whether the low dtype holds them decides how its product runs)."""
+    factor = np.asarray(power, dtype_of(x))
+    product = x * factor if is_concrete(x) else lax.mul(x, factor)
+    _constants.record_times(ctx.scope, x, power, product)
+    return product
 
 
 def _moves(ctx, eqn, vals) -> bool:

@@ -41,7 +41,9 @@ def _remat(ctx: Context, eqn, vals, weak):
     inner = ctx.for_call(eqn)
 
     def body(*args):
-        outs, _ = eval_closed(inner.child(), eqn.params["jaxpr"], list(args), weak)
+        child = inner.child()
+        _constants.copy(ctx.scope, child.scope, vals, args)
+        outs, _ = eval_closed(child, eqn.params["jaxpr"], list(args), weak)
         return outs
 
     checkpointed = jax.checkpoint(
@@ -54,9 +56,9 @@ def _shard_map(ctx: Context, eqn, vals, weak):
     """shard_map: rebuilt around the autocast body, mesh and specs kept."""
 
     def body(*args):
-        outs, _ = eval_closed(
-            ctx.passing(eqn.invars).child(), eqn.params["jaxpr"], list(args), weak
-        )
+        child = ctx.passing(eqn.invars).child()
+        _constants.copy(ctx.scope, child.scope, vals, args, parts=True)  # shards
+        outs, _ = eval_closed(child, eqn.params["jaxpr"], list(args), weak)
         return tuple(outs)
 
     mapped = jax.shard_map(body, **_compat.shard_map_kwargs(eqn.params))
@@ -78,6 +80,7 @@ def _cond(ctx: Context, eqn, vals, weak):
 
         def fn(*args):
             child = inner.child(probing=out_dtypes is None)
+            _constants.copy(ctx.scope, child.scope, ops, args)
             outs, out_weak = eval_closed(child, closed, list(args), ops_weak)
             if out_dtypes is None:
                 known.append(
@@ -180,6 +183,7 @@ def _scan(ctx: Context, eqn, vals, weak):
         def fn(carry, x_slices):
             slices[:] = x_slices
             child.scope._invariant |= {id(s) for s in x_slices}
+            _constants.copy(ctx.scope, child.scope, xs, x_slices, parts=True)
             return run_body(child, carry, x_slices)
 
         carry_avals = [_compat.abstract(c, d) for c, d in zip(init, carry_dtypes)]
@@ -204,6 +208,7 @@ def _scan(ctx: Context, eqn, vals, weak):
     def body(carry, x_all):
         x_slices, extra = x_all[: len(xs)], x_all[len(xs) :]
         child = ctx.child()
+        _constants.copy(ctx.scope, child.scope, xs, x_slices, parts=True)
         for (i, dtype, _), cast_slice in zip(hoisted_xs, extra):
             child.scope.seed(x_slices[i], dtype, cast_slice)
         new_carry, ys = run_body(child, carry, x_slices)

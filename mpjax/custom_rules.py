@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax import _compat, _products, first_order, policy
+from mpjax import _compat, _constants, _products, first_order, policy
 from mpjax._casting import dtype_of
 from mpjax.interpreter import HIGHER_ORDER, Context, eval_closed, eval_jaxpr
 
@@ -34,9 +34,9 @@ def _custom_jvp(ctx: Context, eqn, vals, weak):
     n_consts = params["num_consts"]
 
     def primal(*args):
-        outs, _ = eval_closed(
-            ctx.passing(eqn.invars).child(), params["call_jaxpr"], list(args), weak
-        )
+        child = ctx.passing(eqn.invars).child()
+        _constants.copy(ctx.scope, child.scope, vals, args)
+        outs, _ = eval_closed(child, params["call_jaxpr"], list(args), weak)
         return outs
 
     n_args = len(vals) - n_consts
@@ -56,6 +56,7 @@ def _custom_jvp(ctx: Context, eqn, vals, weak):
         primals_in = eqn.invars[n_consts:]
         passed = [*[True] * len(leading), *primals_in, *primals_in]
         child = ctx.passing(passed).child()
+        _constants.copy(ctx.scope, child.scope, vals, primals)
         try:
             outs, _ = eval_jaxpr(
                 child,

@@ -260,7 +260,8 @@ def _signature(scope: Scope, x, weak: bool):
     `mpjax._constants.fits`)."""
     known = _constants.values(scope, x) if weak else None
     if known is not None:
-        return dtype_of(x), np.shape(x), known.dtype, known.tobytes()
+        is_set = isinstance(known, _constants.ValueSet)
+        return dtype_of(x), np.shape(x), known.dtype, known.tobytes(), is_set
     return dtype_of(x), weak
 
 

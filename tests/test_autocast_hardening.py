@@ -101,7 +101,24 @@ _CONSTANTS = {
     "large_mask_bias": lambda y: (
         jnp.tile(y, (1, 400)) + (1.0 - jnp.tril(jnp.ones((4, 1200)))) * -1e9
     ),
+    # within a body a higher-order primitive traces again, the values are known
+    "in_a_checkpoint": lambda y: _in_checkpoint(jnp.full(y.shape, 1e-8), jnp.multiply, y),
+    "scanned_over": lambda y: lax.scan(
+        lambda h, c: (h, h * c), y, jnp.full((2, *y.shape), 1e-8)
+    )[1],
+    # a sum of a constant too large to evaluate at trace time, unknown: divided by
+    # in float32, not cast (81920 and 131328, a large mask's count, saturate)
+    "sum_of_a_large_constant": lambda y: (y * 1024.0) / jnp.sum(jnp.full(2048, 40.0)),
+    "count_of_a_large_mask": lambda y: (y * 1024.0) / jnp.sum(jnp.tril(jnp.ones((512, 512)))),
 }
+
+
+def _in_checkpoint(c, f, x):
+    return jax.checkpoint(lambda x: f(c, x))(x)
+
+
+def _times(c, x):
+    return x @ c
 
 
 @pytest.mark.parametrize("name", list(_CONSTANTS))
@@ -127,7 +144,26 @@ _PRODUCT_CONSTANTS = {
     "conv_tiny": lambda x: lax.conv_general_dilated(
         x[None, None], jnp.full((1, 1, 3, 3), 1e-8), (1, 1), "SAME"
     ),
+    # within a body a higher-order primitive traces again, the values are known
+    "tiny_in_a_checkpoint": lambda x: _in_checkpoint(jnp.full((8, 3), 1e-8), _times, x),
+    "tiny_in_a_cond": lambda x: _in_cond(jnp.full((8, 3), 1e-8), x),
+    "tiny_in_a_custom_jvp": lambda x: _custom_product(x, jnp.full((8, 3), 1e-8)),
+    # a power of two moved from the scale onto the constant keeps it known
+    "tiny_then_scaled": lambda x: (x @ jnp.full((8, 3), 1e-8)) * 0.125,
+    "huge_then_scaled": lambda x: (x @ jnp.full((8, 3), 1e6)) * 0.125,
 }
+
+
+def _in_cond(c, x):
+    return lax.cond(jnp.all(jnp.isfinite(x)), lambda h: h @ c, lambda h: h[:, :3], x)
+
+
+@jax.custom_jvp
+def _custom_product(x, c):
+    return x @ c
+
+
+_custom_product.defjvp(lambda p, t: (_custom_product(*p), t[0] @ p[1] + p[0] @ t[1]))
 
 
 @pytest.mark.parametrize("name", list(_PRODUCT_CONSTANTS))
