@@ -49,7 +49,7 @@ def relu_pools(jaxpr) -> dict[int, int]:
         if eqn.primitive.name == "reduce_window_max"
         and not isinstance(eqn.invars[0], _compat.Literal)
         and eqn.invars[0] in relus
-        and _commutes(eqn.params)
+        and _commutes(eqn.params, eqn.invars[0].aval.shape)
     }
     if not pools:
         return {}
@@ -89,10 +89,31 @@ def _relu_source() -> str:
     return _compat.called_source(eqn) or "jax.nn.relu"  # no debug info: never matched
 
 
-def _commutes(params) -> bool:
-    """Whether every window holds an element of the operand: no base dilation, and
-    no side padded beyond a window's span."""
-    extents = [(w - 1) * d for w, d in zip(params["window_dimensions"], params["window_dilation"])]
-    return all(b == 1 for b in params["base_dilation"]) and all(
-        lo <= e and hi <= e for (lo, hi), e in zip(params["padding"], extents)
+def _commutes(params, shape) -> bool:
+    """Whether every window holds an element of the operand (elsewhere the pool
+    gives -inf, and its ReLU 0): no base dilation, and along each axis, each
+    window a tap inside (a dilated window's taps can straddle the operand)."""
+    if any(b != 1 for b in params["base_dilation"]):
+        return False
+    return all(
+        _each_window_reads(*args)
+        for args in zip(
+            shape, params["window_dimensions"], params["window_strides"],
+            params["window_dilation"], params["padding"],
+        )
     )
+
+
+def _each_window_reads(n, window, stride, dilation, padding) -> bool:
+    """Along one axis of `n` elements, whether each window has a tap in the operand."""
+    lo, hi = padding
+    span = (window - 1) * dilation
+    if not isinstance(n, int):  # a symbolic size: padded no more than a window spans
+        return lo <= span and hi <= span and (dilation == 1 or window == 1)
+    count = max(0, (n + lo + hi - span - 1) // stride + 1)
+    # Only a window reaching into the padding can miss: those before the first
+    # that starts inside, and from the first that ends past the operand.
+    inside, past = -(-lo // stride), -(-(n - span + lo) // stride)
+    edges = {*range(min(count, inside)), *range(max(0, past), count)}
+    starts = [-lo + i * stride for i in edges]
+    return all(any(0 <= s + k * dilation < n for k in range(window)) for s in starts)

@@ -5,7 +5,9 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax import lax
 
 import mpjax
 from conftest import BF16, F16, F32, all_eqns
@@ -101,3 +103,20 @@ def test_a_pool_that_would_change_the_result_keeps_its_relu_before_it(fun):
 
     chex.assert_trees_all_equal(grad(f), grad(fun))
     assert all(shape == x.shape for shape in _relu_operands(f, x))
+
+
+def test_a_dilated_pool_whose_windows_can_straddle_the_operand_keeps_its_relu_before_it():
+    # Taps 20 apart on 17 rows: some windows have both in the padding, where the
+    # pool gives -inf and a ReLU moved after it 0. (JAX differentiates no dilated
+    # max-pool.)
+    def fun(x):
+        return lax.reduce_window(
+            jax.nn.relu(x), -jnp.inf, lax.max, (1, 2, 1, 1), (1, 1, 1, 1),
+            padding=((0, 0), (10, 10), (0, 0), (0, 0)), window_dilation=(1, 20, 1, 1),
+        )
+
+    x = _images()
+    want = fun(x)
+    assert np.any(np.isneginf(want)) and np.any(want == 0)
+    chex.assert_trees_all_equal(mpjax.autocast(fun, dtype=BF16)(x), want)
+    assert _relu_operands(mpjax.autocast(fun, dtype=BF16), x) == [x.shape]
