@@ -76,8 +76,8 @@ class Chain(NamedTuple):
 
 
 class Fusions(NamedTuple):
-    bias_adds: frozenset = frozenset()
-    """ids of the ``add`` equations of a product and its bias."""
+    bias_adds: dict = {}
+    """By id of each ``add`` of a product and its bias: the product's position."""
     float32_sums: frozenset = frozenset()
     """ids of the bias adds whose sum is handed on in float32 (read by `SQUASHING`),
     and of the collective sums a constant divides (`lax.pmean`'s)."""
@@ -122,7 +122,8 @@ def find(jaxpr, passed=None) -> Fusions:
             readers[v].append(i)
     for v in filter(_is_var, jaxpr.outvars):
         readers[v].append(_OUTPUT)
-    adds = [e for e in eqns if _is_bias_add(e, eqns, producer)]
+    bias_adds = {id(e): k for e in eqns if (k := _bias_product(e, eqns, producer)) is not None}
+    adds = [e for e in eqns if id(e) in bias_adds]
     float32_sums = frozenset(
         id(e) for e in adds if _readers.read_by(e.outvars[0], eqns, readers, SQUASHING, _SUMS)
     )
@@ -133,7 +134,6 @@ def find(jaxpr, passed=None) -> Fusions:
         if chain is not None:
             chains[chain.eqns[-1]] = chain
             deferred.update(chain.eqns[:-1])
-    bias_adds = frozenset(map(id, adds))
     selects = {
         i: _broadcast_operands(e, eqns, producer)
         for i, e in enumerate(eqns)
@@ -231,9 +231,10 @@ def parameters(ctx, eqn, vals, among=None) -> list:
     ]
 
 
-def _is_bias_add(eqn, eqns, producer) -> bool:
+def _bias_product(eqn, eqns, producer) -> int | None:
+    """The position of the product in `eqn`, an add of a product and its bias, or None."""
     if eqn.primitive.name != "add" or not all(map(_is_var, eqn.invars)):
-        return False
+        return None
     n = _size(eqn.outvars[0])
     kinds = []
     for v in eqn.invars:
@@ -244,7 +245,7 @@ def _is_bias_add(eqn, eqns, producer) -> bool:
             kinds.append("bias")
         else:
             kinds.append(None)
-    return sorted(kinds, key=str) == ["bias", "product"]
+    return kinds.index("product") if sorted(kinds, key=str) == ["bias", "product"] else None
 
 
 def _pointwise_groups(eqns) -> dict:
@@ -296,7 +297,7 @@ def joins_product(ctx, eqn, vals, weak) -> bool:
     low = ctx.region.dtype
     if low is None or ctx.region.lean or id(eqn) not in ctx.bias_adds:
         return False
-    product = _product_operand(eqn, vals)
+    product = vals[ctx.bias_adds[id(eqn)]]
     if id(eqn) in ctx.float32_sums and ctx.scope.accumulator(product) is None:
         return False
     return (
@@ -311,7 +312,7 @@ def bias_add(ctx, eqn, vals):
     one (`Fusions.accumulated`: a sum that `find` hands on in float32 or a
     residual sum reads). None for other products: the caller then runs the add in
     the product's dtype."""
-    product = _product_operand(eqn, vals)
+    product = vals[ctx.bias_adds[id(eqn)]]
     bias = next(i for i, x in enumerate(vals) if x is not product)
     rounding = id(eqn) not in ctx.float32_sums
     if rounding and ctx.scope.kept_no_accumulator(product):
@@ -342,12 +343,6 @@ def residual_operands(ctx, eqn, vals, weak) -> list:
     ):
         return vals
     return [x if a is None else a for x, a in zip(vals, accumulators)]
-
-
-def _product_operand(eqn, vals):
-    """The operand of a bias add with the result's shape (the product)."""
-    shape = eqn.outvars[0].aval.shape
-    return next(x for x, v in zip(vals, eqn.invars) if v.aval.shape == shape)
 
 
 def keeps_no_broadcast(prim, *avals, **params) -> bool:

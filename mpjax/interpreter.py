@@ -168,7 +168,7 @@ class Context(NamedTuple):
     float32_outputs: frozenset = frozenset()
     """Lean policy: the output positions of the jaxpr evaluated next (a call's) that
     its caller reads only by float32-list primitives."""
-    bias_adds: frozenset = frozenset()
+    bias_adds: dict = {}
     """ids of the equations adding a bias to a product (`mpjax.fusions`)."""
     float32_sums: frozenset = frozenset()
     """ids of those whose sum stays float32 (read by `mpjax.fusions.SQUASHING`), and

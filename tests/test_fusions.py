@@ -190,6 +190,21 @@ def test_flax_dense_output_is_16_bit_and_its_bias_gradient_float32():
     chex.assert_trees_all_close(grads, reference, rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_a_bias_broadcast_to_the_products_shape_joins_it_on_either_side(dtype):
+    x, w, b = _w(4, 8, seed=4), _w(8, 16), _w(16, seed=1)
+
+    def first(x, w, b):
+        return x @ w + jnp.broadcast_to(b, (4, 16))
+
+    def second(x, w, b):
+        return jnp.broadcast_to(b, (4, 16)) + x @ w
+
+    out = mpjax.autocast(first, dtype=dtype)(x, w, b)
+    chex.assert_trees_all_equal(out, out.astype(dtype).astype(F32))  # a 16-bit sum
+    chex.assert_trees_all_equal(mpjax.autocast(second, dtype=dtype)(x, w, b), out)
+
+
 def test_a_same_size_float32_operand_still_widens():
     f = mpjax.autocast(lambda x, w, y: x @ w + y, dtype=BF16)
     assert f(_w(4, 8), _w(8, 16), _w(4, 16)).dtype == F32
