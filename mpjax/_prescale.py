@@ -219,6 +219,7 @@ def _moves(ctx, eqn, vals) -> bool:
         and all(dtype_of(x) in (F32, low) for x in vals[:2])
         and not _products.runs_as_written(eqn, vals)
         and not _products.explicit_result_type(eqn)
+        and not _products.unreduced(eqn)
         and id(eqn) not in ctx.accumulated
     )
 

@@ -170,6 +170,36 @@ def _cast(x, low):
     return convert(x, low, False)
 
 
+def unreduced(eqn) -> bool:
+    """Whether a product leaves its result unreduced over mesh axes (explicit
+    sharding's ``out_sharding=P(..., unreduced={axis})``): partial sums, which a
+    later reshard adds across devices."""
+    sharding = eqn.params.get("out_sharding")
+    spec = getattr(sharding, "spec", sharding)
+    return eqn.primitive.name == "dot_general" and bool(getattr(spec, "unreduced", None))
+
+
+def unreduced_product(eqn, vals, low):
+    """A product whose result is left `unreduced`: 16-bit operands and float32
+    partial sums, so that the sum across devices adds float32 values. Differentiated
+    by JAX's own rule, which types an unreduced result's cotangent (`low_product`'s
+    cannot), on float32 tangents where the operands are float32: a weight's
+    gradient is a float32 sum, never rounded."""
+
+    def bind(a, b):
+        return _compat.bind(eqn, a, b, preferred_element_type=F32)[0]
+
+    product = jax.custom_jvp(lambda a, b: bind(_cast(a, low), _cast(b, low)))
+
+    @product.defjvp
+    def jvp(primals, tangents):
+        a, b = (_cast(x, low) for x in primals)
+        ta, tb = tangents
+        return bind(a, b), bind(ta, b) + bind(a, tb)
+
+    return [product(*vals[:2])]
+
+
 def _linear(sides, extra, low, result):
     """The product's tangent, the sum of ``apply(tangent, other)`` over the `sides`
     (operands) with a tangent, as one linear function returning `result`. Its

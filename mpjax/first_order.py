@@ -111,6 +111,8 @@ def policy_rule(ctx, eqn, vals, weak):
     args = _cast_all(ctx, vals, targets, weak)
     updates = {}
     if rule is Rule.LOW:
+        if _products.unreduced(eqn):  # summed across devices next: in float32
+            return _products.unreduced_product(eqn, vals, low)
         if _products.explicit_result_type(eqn):
             return _compat.bind(eqn, *args)
         if _float32_accumulator(ctx, eqn, vals):

@@ -564,3 +564,36 @@ def test_a_partial_axis_name_is_refused_with_the_missing_axes():
     )
     with pytest.raises(ValueError, match=r"mesh axes \('b',\).*axis_name='a' combines"):
         jax.jit(step)(params, state, params)
+
+
+@pytest.mark.parametrize("low", [jnp.float16, jnp.bfloat16])
+def test_a_product_left_unreduced_adds_float32_partial_sums_across_devices(low):
+    from jax.sharding import AxisType, reshard
+
+    # A row-parallel layer: contracting the sharded features leaves each device a
+    # partial sum, which the reshard adds across devices.
+    mesh = jax.make_mesh((N_DEV,), ("model",), axis_types=(AxisType.Explicit,))
+
+    def loss(p, x):
+        h = jnp.einsum("bf,fo->bo", x, p["w"], out_sharding=P(None, None, unreduced={"model"}))
+        return jnp.mean(jnp.tanh(reshard(h, P(None, None))) ** 2)
+
+    kw, kx = jax.random.split(jax.random.key(0))
+    w, x = jax.random.normal(kw, (64, 16)) * 0.1, jax.random.normal(kx, (8, 64))
+    with jax.set_mesh(mesh):
+        params = {"w": jax.device_put(w, P("model", None))}
+        xs = jax.device_put(x, P(None, "model"))
+        cast = mpjax.autocast(loss, dtype=low)
+        summed = [
+            e.invars[0].aval
+            for e in jax.make_jaxpr(cast)(params, xs).jaxpr.eqns
+            if e.primitive.name == "reshard" and "{U:" in str(e.invars[0].aval)
+        ]
+        assert summed and {a.dtype for a in summed} == {np.dtype(np.float32)}, summed
+        got = jax.jit(jax.grad(cast))(params, xs)["w"]
+        # The float32 program on the 16-bit operands' values: the gradient is a
+        # float32 sum of 16-bit products, never rounded to 16 bits itself.
+        rounded = jax.tree.map(lambda a: a.astype(low).astype(jnp.float32), (params, xs))
+        want = jax.jit(jax.grad(loss))(*rounded)["w"]
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-9)
