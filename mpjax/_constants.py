@@ -165,11 +165,14 @@ def copy(source, target, outer, inner, parts: bool = False) -> None:
     """Records in scope `target` what scope `source` knows of the values `outer`,
     for the values `inner` standing for them in a nested trace (a checkpoint's or a
     branch's arguments); with `parts`, for parts of them (the slices a loop body
-    takes of its scanned-over values, a shard_map body's shards), as sets."""
+    takes of its scanned-over values, a shard_map body's shards), as sets, where
+    those take few enough elements to gather (`CLOSED_OVER_LIMIT`)."""
     for x, y in zip(outer, inner):
         known = values(source, x)
+        if parts and known is not None and not isinstance(known, ValueSet):
+            known = value_set(known) if known.size <= CLOSED_OVER_LIMIT else None
         if known is not None and not is_concrete(y):
-            target.record_constant(y, value_set(known) if parts else known)
+            target.record_constant(y, known)
 
 
 def record_times(scope, x, factor, product) -> None:
