@@ -172,13 +172,14 @@ def widened(eqn, vals, targets, weak, lone=()):
     return list(jax.checkpoint(compute, prevent_cse=False)(*vals))
 
 
-def by_constant(scope, eqn, vals, targets, weak):
+def by_constant(scope, eqn, vals, targets, weak, lean=False):
     """``x * c``, ``c * x`` or ``x / c`` of a 16-bit `x` by a constant that its dtype
     holds only rounded (0.1, 1/3, an EMA's 0.001), computed in float32 and rounded
     once, as torch's opmath computes with a Python scalar: the constant rounded
     first would move every result by the same relative amount (up to 2**-11 in
     float16, 2**-8 in bfloat16), a bias averaging keeps. So is a constant whose
-    values autocast cannot know, where it has fewer elements than `x`. None
+    values autocast cannot know, where it has fewer elements than `x` (under the
+    `lean` policy too, which rounds a known constant as Flax's ``dtype=`` does). None
     otherwise."""
     name = eqn.primitive.name
     if name not in _KEEPS_OPERANDS or len(vals) != 2 or weak[0] == weak[1]:
@@ -196,7 +197,7 @@ def by_constant(scope, eqn, vals, targets, weak):
         # which would saturate it silently.
         if not fewer(size(vals[1 - i]), size(vals[i])):
             return None
-    elif np.array_equal(
+    elif lean or np.array_equal(
         (c := np.asarray(known, F32)).astype(low).astype(F32), c, equal_nan=True
     ):
         return None  # held exactly: a power of two, a small integer

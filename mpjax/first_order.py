@@ -101,11 +101,12 @@ def policy_rule(ctx, eqn, vals, weak):
         outs = _broadcast_in_float32(ctx, eqn, vals, targets, weak)
         if outs is not None:
             return outs
-    if low is not None and not lean and rule is Rule.WIDEST:  # `mpjax._pointwise`
+    if low is not None and rule is Rule.WIDEST:  # `mpjax._pointwise`
         # A 16-bit operand widened, kept as it is; a constant 16 bits would round
-        # (lean rounds it, as Flax's dtype= does), computed in float32.
-        outs = _pointwise.widened(eqn, vals, targets, weak, ctx.lone.get(id(eqn), ()))
-        outs = outs or _pointwise.by_constant(ctx.scope, eqn, vals, targets, weak)
+        # (lean rounds it, as Flax's dtype= does) or saturate, computed in float32.
+        lone = ctx.lone.get(id(eqn), ())
+        outs = None if lean else _pointwise.widened(eqn, vals, targets, weak, lone)
+        outs = outs or _pointwise.by_constant(ctx.scope, eqn, vals, targets, weak, lean)
         if outs is not None:
             return outs
     args = _cast_all(ctx, vals, targets, weak)

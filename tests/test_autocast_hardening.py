@@ -133,6 +133,18 @@ def test_constants_the_low_dtype_cannot_hold_are_computed_as_written(low, name):
     np.testing.assert_allclose(got, want, rtol=4 * rel_tol(low))
 
 
+@pytest.mark.parametrize("policy", ["torch", "lean"])
+def test_a_count_autocast_cannot_know_divides_in_float32_under_either_policy(policy):
+    # A mean over a large causal mask: its count, 131328, is a sum too large to
+    # evaluate at trace time, which float16 cannot hold; cast, it would saturate to
+    # 65504 and double the result. The lean policy rounds a constant it knows, as
+    # Flax's dtype= does, but applies one it does not know in float32 too.
+    x, w = _xw()
+    f = lambda x, w: ((x @ w) * 1024.0) / jnp.sum(jnp.tril(jnp.ones((512, 512))))  # noqa: E731
+    got = jax.jit(mpjax.autocast(f, dtype=jnp.float16, policy=policy))(x, w)
+    np.testing.assert_allclose(got, f(x, w), rtol=4 * rel_tol(jnp.float16))
+
+
 # A frozen weight closed over as a jax.Array, as a NumPy one: its values are known.
 _TINY, _HUGE = jnp.full((8, 3), 1e-8), jnp.linspace(1e5, 2e5, 24).reshape(8, 3)
 _PRODUCT_CONSTANTS = {
