@@ -142,17 +142,7 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
     outputs is the one every select reads, with no negation between them.
     """
     if not config.enabled:
-        # An enabled scaler's state (a checkpoint restored with scaling off)
-        # gives its scale up here: the loss is not scaled from the next step on.
-        state = state._replace(scale=jnp.ones([], jnp.float32), growth_tracker=_disabled())
-        if take is True:
-            updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
-            return updates, state._replace(inner_state=inner_state)
-        drop = jnp.logical_not(take)
-        updates, inner_state = _skip.update_selected(
-            inner, drop, grads, state.inner_state, params, extra
-        )
-        return _no_updates_where(drop, updates), state._replace(inner_state=inner_state)
+        return _disabled_step(inner, grads, state, params, extra, take)
     # A disabled scaler's state (a checkpoint restored with scaling switched on)
     # starts from init_scale, as a fresh state would: its scale of 1.0 would
     # let float16 gradients underflow for thousands of steps of growth.
@@ -213,6 +203,27 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
         inner_state=inner_state,
         nonfinite_subtrees=nonfinite_subtrees,
     )
+
+def _disabled_step(inner, grads, state, params, extra, take):
+    """`_step` of a disabled scaler: inner's update, the loss not scaled."""
+    # An enabled scaler's state (a checkpoint restored with scaling off)
+    # gives its scale up here: the loss is not scaled from the next step on,
+    # and a skip it recorded is cleared by the first effective step (a
+    # micro-batch's update leaves the last effective step's report).
+    micro = jnp.logical_not(take)
+    state = state._replace(
+        scale=jnp.ones([], jnp.float32),
+        growth_tracker=_disabled(),
+        last_step_skipped=state.last_step_skipped & micro,
+        nonfinite_subtrees=jax.tree.map(lambda f: f & micro, state.nonfinite_subtrees),
+    )
+    if take is True:
+        updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
+        return updates, state._replace(inner_state=inner_state)
+    updates, inner_state = _skip.update_selected(
+        inner, micro, grads, state.inner_state, params, extra
+    )
+    return _no_updates_where(micro, updates), state._replace(inner_state=inner_state)
 
 
 def _bad_updates(config: ScalerConfig, updates, state, inner_state) -> jax.Array:

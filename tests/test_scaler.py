@@ -589,6 +589,30 @@ def test_a_checkpoint_restored_with_scaling_switched_takes_the_new_setting(scali
         chex.assert_trees_all_equal(jax.jit(off.update)(grads, again, params)[1], state)
 
 
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+def test_a_skipped_step_restored_with_scaling_off_is_not_reported_again(accumulation_steps):
+    # The enabled scaler's last step was skipped; the disabled one applies every
+    # step, and says so from its first effective step: a count of optimizer steps
+    # kept with `step_applied` (a schedule outside the optimizer) goes on.
+    params = {"w": jnp.ones(3), "b": jnp.ones(2)}
+    kw = {} if accumulation_steps == 1 else {"accumulation_steps": 2, "accumulation": "mean"}
+    on, off = grad_scaler(optax.sgd(0.1), **kw), noop_scaler(optax.sgd(0.1), **kw)
+    state = on.init(params)
+    for _ in range(accumulation_steps):
+        _, state = on.update({"w": jnp.full(3, jnp.inf), "b": jnp.ones(2)}, state, params)
+    assert bool(state.last_step_skipped) and bool(state.nonfinite_subtrees["['w']"])
+    grads = {"w": jnp.full(3, 0.5), "b": jnp.ones(2)}
+    for step in range(2 * accumulation_steps):
+        _, state = jax.jit(off.update)(grads, state, params)
+        stats = scaler_stats(state)
+        effective = (step + 1) % accumulation_steps == 0
+        assert bool(stats["step_applied"]) == effective
+        assert bool(stats["last_step_skipped"]) == (step < accumulation_steps - 1)
+        assert any(map(bool, stats["nonfinite_subtrees"].values())) == (
+            step < accumulation_steps - 1
+        )
+
+
 def test_static_scaler_never_moves_but_still_skips():
     tx = static_scaler(optax.sgd(1.0), 2.0**5)
     update = jax.jit(tx.update)
