@@ -211,12 +211,15 @@ def _broadcast_from_fewer(v, eqns, producer):
     return made_by if fewer(_size(made_by.invars[0]), _size(v)) else None
 
 
-def arguments(jaxpr, passed) -> frozenset:
+def arguments(jaxpr, passed, joined: bool = False) -> frozenset:
+    """The jaxpr's arguments (at the positions `passed`, or all) and what layout
+    makes of one; with `joined`, of several (an LSTM's four gate biases, joined)."""
     invars = jaxpr.invars if passed is None else [jaxpr.invars[i] for i in sorted(passed)]
     found = set(invars) | set(jaxpr.constvars)
     for eqn in jaxpr.eqns:
         ins = list(filter(_is_var, eqn.invars))
-        if eqn.primitive.name in policy.CARRY_PARAMETERS and len(ins) == 1 and ins[0] in found:
+        layout = eqn.primitive.name in policy.CARRY_PARAMETERS and (len(ins) == 1 or joined)
+        if layout and ins and all(v in found for v in ins):
             found.update(eqn.outvars)
     return frozenset(found)
 
@@ -290,14 +293,18 @@ def _chain(source, members, eqns, readers) -> Chain | None:
 
 def joins_product(ctx, eqn, vals, weak) -> bool:
     """Whether `eqn` is a bias add (`find`) under the default policy, whose
-    product arrived in the low dtype and whose bias is a float32 value (not a
-    constant, which the rule for constants keeps from widening). A sum handed
-    on in float32 joins a product only where it kept its float32 accumulator:
-    elsewhere the add widens, as any other."""
+    product arrived in the low dtype and whose bias is a float32 parameter
+    (`Context.tables`), as torch's ``linear``'s is: not a constant, which does not
+    widen, nor a computed value (an attention mask's ``-1e9``, ``-inf`` in float16,
+    which torch adds in float32). A sum handed on in float32 joins a product only
+    where it kept its float32 accumulator: elsewhere the add widens, as any other."""
     low = ctx.region.dtype
     if low is None or ctx.region.lean or id(eqn) not in ctx.bias_adds:
         return False
-    product = vals[ctx.bias_adds[id(eqn)]]
+    position = ctx.bias_adds[id(eqn)]
+    product = vals[position]
+    if eqn.invars[1 - position] not in ctx.tables:
+        return False
     if id(eqn) in ctx.float32_sums and ctx.scope.accumulator(product) is None:
         return False
     return (

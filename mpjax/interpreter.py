@@ -184,8 +184,9 @@ class Context(NamedTuple):
     caller's arguments (`passing`); None where all do (the function autocast wraps)."""
     tables: frozenset = frozenset()
     """The variables holding the function's parameters themselves: `arguments`
-    less a loop's carries and computed inputs. The lean policy rounds the rows a
-    gather reads from these only (an embedding's table); other rows are data."""
+    less a loop's carries and computed inputs, and the values layout primitives
+    join from several. The lean policy rounds the rows a gather reads from these
+    only (an embedding's table); other rows are data. A bias is one of these."""
     passed_tables: frozenset | None = None
     """Likewise for `tables`: the positions of the next body's inputs holding them."""
     lone: dict = {}
@@ -296,11 +297,10 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
         only = policy.float32_only_consumers(jaxpr, ctx.float32_outputs, elsewhere)
         ctx = ctx._replace(float32_only=only, float32_outputs=frozenset())
     fused = fusions.find(jaxpr, ctx.passed) if jaxpr.eqns else fusions.NONE
-    narrower = ctx.passed_tables != ctx.passed and jaxpr.eqns
     ctx = ctx._replace(
         passed=None,
         passed_tables=None,
-        tables=fusions.arguments(jaxpr, ctx.passed_tables) if narrower else fused.arguments,
+        tables=fusions.arguments(jaxpr, ctx.passed_tables, joined=True),
         bias_adds=fused.bias_adds,
         float32_sums=fused.float32_sums,
         residual_sums=fused.residual_sums,

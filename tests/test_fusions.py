@@ -205,6 +205,34 @@ def test_a_bias_broadcast_to_the_products_shape_joins_it_on_either_side(dtype):
     chex.assert_trees_all_equal(mpjax.autocast(second, dtype=dtype)(x, w, b), out)
 
 
+@pytest.mark.parametrize("scanned", [False, True], ids=["layer", "scanned-layers"])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_an_attention_mask_added_to_the_scores_is_no_bias_and_adds_in_float32(dtype, scanned):
+    # A mask of -1e9 (transformers' additive masks) computed from the padding, with
+    # fewer elements than the scores it is broadcast to, as a bias has: added in
+    # float16 it would be -inf, and a padding query's fully masked row NaN. torch
+    # adds it in float32, as a separate operation, as here; in a scan over layers
+    # too, where the body gets the mask as it gets the weights.
+    x, ws = _w(2, 4, 8, seed=2), _w(3, 8, 8)
+    valid = jnp.array([[True, True, False, False]] * 3 + [[False] * 4])
+
+    def layer(h, w, mask):
+        scores = jnp.einsum("bqd,bkd->bqk", h @ w, h @ w.T)
+        return jax.nn.softmax(scores + mask, axis=-1) @ h
+
+    def attention(x, ws, valid):
+        mask = jnp.where(valid, 0.0, -1e9)
+        if scanned:
+            return jax.lax.scan(lambda h, w: (layer(h, w, mask), None), x, ws)[0]
+        return layer(x, ws[0], mask)
+
+    f = mpjax.autocast(attention, dtype=dtype)
+    got = f(x, ws, valid)
+    np.testing.assert_allclose(got, attention(x, ws, valid), atol=2e-2)
+    grads = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1))(x, ws, valid)
+    assert all(np.all(np.isfinite(g)) for g in grads)
+
+
 def test_a_same_size_float32_operand_still_widens():
     f = mpjax.autocast(lambda x, w, y: x @ w + y, dtype=BF16)
     assert f(_w(4, 8), _w(8, 16), _w(4, 16)).dtype == F32
