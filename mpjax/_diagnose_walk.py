@@ -47,7 +47,8 @@ _CALLS = frozenset(
 # autocast's regions, diagnose's own scope, and the calls autocast inlines
 _OWN = re.compile(r"^(mpjax_\w*|jit\(.*\))$")
 _JAX_SCOPES = frozenset({"rematted_computation"})  # jax.checkpoint's recomputation
-_WRAPPED = re.compile(r"^([A-Za-z_]\w*)\((.*)\)$")  # a transform's: jvp(Net)
+# JAX's transforms (jvp(Net)) and calls; a scope of the user's may hold parentheses too
+_WRAPPED = re.compile(r"^(jvp|transpose|vmap|jit)\((.*)\)$")
 _MPJAX_DIR = os.path.dirname(os.path.abspath(__file__))
 # Where `mpjax.diagnose` calls the loss: frames beyond are the caller's, not the loss's.
 _DIAGNOSE_FILES = tuple(os.path.join(_MPJAX_DIR, f) for f in ("diagnose.py", "_diagnose_args.py"))

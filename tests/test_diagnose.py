@@ -444,6 +444,7 @@ class _Outer(nn.Module):
     [
         (("norm", "inner"), "Net/norm/inner"),  # a module named like a jitted function
         (("attention", "attention"), "Net/attention/attention"),  # transformers' ViT
+        (("attn(q)", "inner"), "Net/attn(q)/inner"),  # parentheses, as a transform has
     ],
 )
 def test_a_module_path_is_named_as_flax_names_it(names, path):
