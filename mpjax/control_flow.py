@@ -109,18 +109,19 @@ def _fix_carry(ctx: Context, init, init_weak, probe) -> tuple[list, Scope]:
 
     `probe(dtypes)` evaluates the body abstractly and returns the carry-out
     dtypes and the probing scope. A carry starts at its initial dtype; a weak
-    initial value (``jnp.zeros``) adopts the body's output dtype once, so an RNN
-    state started from zeros stays in low precision; after that a carry only
-    widens, so the search ends.
+    initial value (``jnp.zeros``) adopts the body's output dtype once, where that
+    holds its values (not ``jnp.full(n, 1e5)`` in float16), so an RNN state
+    started from zeros stays in low precision; after that a carry only widens, so
+    the search ends.
     """
     dtypes = [dtype_of(x) for x in init]
     for step in range(len(dtypes) + 3):
         out_dtypes, scope = probe(dtypes)
         new = []
-        for d, o, w in zip(dtypes, out_dtypes, init_weak):
+        for x, d, o, w in zip(init, dtypes, out_dtypes, init_weak):
             if d == o or not (policy.is_castable(d) and policy.is_castable(o)):
                 new.append(d)
-            elif w and step == 0:
+            elif w and step == 0 and _constants.fits(ctx.scope, x, o):
                 new.append(o)
             else:
                 new.append(policy.widest([d, o]))

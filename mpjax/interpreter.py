@@ -257,12 +257,13 @@ class Context(NamedTuple):
 
 def _signature(scope: Scope, x, weak: bool):
     """What a rule's result may depend on in an input: its dtype and weak flag,
-    and a constant's known values too (whether the low dtype holds them,
-    `mpjax._constants.fits`)."""
-    known = _constants.values(scope, x) if weak else None
+    and a constant's known values too, weak or closed over (whether the low dtype
+    holds them, `mpjax._constants.fits`); a large one's identity, alive all call."""
+    known = _constants.values(scope, x)
     if known is not None:
+        held = known.tobytes() if known.size <= _constants.CLOSED_OVER_LIMIT else id(x)
         is_set = isinstance(known, _constants.ValueSet)
-        return dtype_of(x), np.shape(x), known.dtype, known.tobytes(), is_set
+        return dtype_of(x), np.shape(x), known.dtype, held, is_set, weak
     return dtype_of(x), weak
 
 

@@ -118,6 +118,41 @@ def test_float32_carry_keeps_its_precision():
     assert scan.outvars[0].aval.dtype == F32
 
 
+def test_a_constant_initial_carry_the_low_dtype_cannot_hold_keeps_its_value():
+    # A carry started from a constant takes the body's 16-bit dtype where that holds
+    # the constant (zeros); 1e5 in float16 would saturate to 65504, every step after
+    # it off by a third.
+    w = jnp.array([[0.5, 0.0], [0.0, 0.25]])
+
+    def f(w):
+        return lax.scan(lambda c, _: ((c * 1e-3) @ w, c), jnp.full((2,), 1e5), None, length=2)
+
+    (last, seen), (want_last, want_seen) = jax.jit(mpjax.autocast(f, dtype=F16))(w), f(w)
+    np.testing.assert_array_equal(seen[0], want_seen[0])  # the initial carry, as written
+    np.testing.assert_allclose(seen[1], want_seen[1], rtol=rel_tol(F16))
+    np.testing.assert_allclose(last, want_last, rtol=rel_tol(F16))
+
+
+@pytest.mark.parametrize("make", ["cond", "scan"])
+def test_a_jitted_loop_called_on_two_closed_over_weights_solves_each(make):
+    # A jitted function's loop or cond is solved once per kind of input; a weight
+    # closed over by the caller is known by its values, which decide whether its
+    # product runs in 16 bits (0.5) or as written (1e5, inf in float16).
+    h = jnp.array([1.0, 2.0])
+    half, big = jnp.full((2, 2), 0.5), jnp.full((2, 2), 1e5)
+
+    @jax.jit
+    def g(w, h):
+        if make == "cond":
+            return lax.cond(h[0] > 0, lambda: h @ w, lambda: (h @ w) * 2.0)
+        return lax.scan(lambda c, x: (x @ w, c), jnp.zeros((2,)), h[None])[0]
+
+    both = lambda h: (g(half, h), g(big, h))  # noqa: E731
+    got, want = mpjax.autocast(both, dtype=F16)(h), both(h)
+    np.testing.assert_allclose(got[0], want[0], rtol=rel_tol(F16))
+    np.testing.assert_array_equal(got[1], want[1])
+
+
 def _braced(text, i):
     """From `i`, the text up to the brace matching the first "{", and chained "do {"."""
     depth, j = 0, text.index("{", i)
