@@ -101,8 +101,10 @@ class AuditReport:
             f"dot/conv FLOPs in 16-bit precision: {self.low_precision_fraction:.1%} "
             f"of {self.matmul_flops:,}"
         )
-        if self.matmul_flops and not self.low_precision_flops:
-            # The usual cause: the function audited is not the autocast one.
+        float8 = any(i.startswith("float8") for _, ins, _ in self.summary() for i in ins)
+        if self.matmul_flops and not self.low_precision_flops and not float8:
+            # The usual cause: the function audited is not the autocast one (a
+            # float8 program's products are narrower still, as its author chose).
             lines.append(
                 "no product runs in 16 bits: audit the function autocast returns "
                 "(audit(autocast(f), ...)), or one that calls it"

@@ -107,6 +107,12 @@ def test_a_program_with_no_16_bit_product_says_what_to_audit():
     # ... and not where products do run in 16 bits, or where there are none.
     assert "no product" not in str(mpjax.audit(jax.grad(mpjax.autocast(f)), w, x))
     assert "no product" not in str(mpjax.audit(jnp.sin, w))
+    # float8 products are narrower than 16 bits by their author's choice: no hint
+    def fp8(w, x):
+        f8 = jnp.float8_e4m3fn
+        return jnp.matmul(x.astype(f8), w.astype(f8), preferred_element_type=jnp.float32)
+
+    assert "no product" not in str(mpjax.audit(fp8, w, x))
 
 
 def test_audit_of_a_gradient_is_not_confused_with_the_autocast_function():
