@@ -125,7 +125,10 @@ def _marked(out, nodes):
     places = {}
     for j, node in enumerate(nodes):
         for path, sub in nnx.graph.iter_graph(node):
-            places.setdefault(id(sub), (j, tuple(path)))
+            # Modules, lists of them and Variables; not their attributes' values (a
+            # returned True is not the one a layer's `use_bias` holds).
+            if nnx.graph.is_graph_node(sub) or isinstance(sub, nnx.Variable):
+                places.setdefault(id(sub), (j, tuple(path)))
     leaves, treedef = _nnx_leaves(out)
     marked = [_Place(places[id(x)]) if id(x) in places else x for x in leaves]
     return jax.tree.unflatten(treedef, marked)
@@ -136,7 +139,8 @@ def _unmarked(out, originals):
         j, path = place.value
         node = originals[j]
         for key in path:
-            node = node[key] if isinstance(node, (list, tuple, dict)) else getattr(node, key)
+            indexed = isinstance(node, (list, tuple, dict)) or not isinstance(key, str)
+            node = node[key] if indexed else getattr(node, key)  # an nnx.List's by index
         return node
 
     is_place = lambda x: isinstance(x, _Place)  # noqa: E731

@@ -596,3 +596,17 @@ def test_an_nnx_module_returned_by_the_function_is_the_callers_own():
     _, m, bn, mean = mpjax.autocast(f)(model, x)
     assert m is model and bn is model.bn and mean is model.bn.mean
     assert float(jnp.abs(model.bn.mean[...]).sum()) > 0  # the update was written back
+
+
+def test_a_layer_of_an_nnx_list_and_plain_values_come_back_as_returned():
+    # nnx.Sequential holds its layers in an nnx.List, reached by index; and True or
+    # 4 returned beside it are themselves, not the layers' `use_bias` or width.
+    def f(m, x):
+        return jnp.mean(m(x) ** 2), m.layers[1], m.layers[0].kernel, {"train": True, "n": 4}
+
+    x = jax.random.normal(jax.random.key(1), (16, 4))
+    model = nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.BatchNorm(4, rngs=nnx.Rngs(0)))
+    _, bn, kernel, aux = mpjax.autocast(f)(model, x)
+    assert bn is model.layers[1] and kernel is model.layers[0].kernel
+    assert aux == {"train": True, "n": 4} and aux["train"] is True
+    assert float(jnp.abs(model.layers[1].mean[...]).sum()) > 0
