@@ -82,15 +82,14 @@ class Fusions(NamedTuple):
     """ids of the bias adds whose sum is handed on in float32 (read by `SQUASHING`),
     and of the collective sums a constant divides (`lax.pmean`'s)."""
     residual_sums: frozenset = frozenset()
-    """ids of the ``add`` equations that read a product's (or bias add's)
-    float32 accumulator: its only readers, each adding another value to it."""
+    """ids of the adds, each another value to a product's (or bias add's) float32
+    accumulator, that are its only readers."""
     chains: dict = {}
     """Chain by the index of its last equation."""
     deferred: frozenset = frozenset()
     """Indices of the other equations of the chains: evaluated with their chain."""
     arguments: frozenset = frozenset()
-    """The jaxpr's arguments, and values only layout primitives made from one:
-    the parameters a product may read (a weight, or its transpose)."""
+    """The parameters a product may read (a weight, its transpose): `arguments`."""
     accumulated: frozenset = frozenset()
     """ids of the products whose float32 accumulator a reader takes (a residual sum,
     a bias add whose sum stays float32); the others return 16 bits (`first_order`)."""
@@ -122,7 +121,8 @@ def find(jaxpr, passed=None) -> Fusions:
             readers[v].append(i)
     for v in filter(_is_var, jaxpr.outvars):
         readers[v].append(_OUTPUT)
-    bias_adds = {id(e): k for e in eqns if (k := _bias_product(e, eqns, producer)) is not None}
+    args = arguments(jaxpr, passed)
+    bias_adds = {id(e): k for e in eqns if (k := _bias_product(e, eqns, producer, args)) is not None}
     adds = [e for e in eqns if id(e) in bias_adds]
     float32_sums = frozenset(
         id(e) for e in adds if _readers.read_by(e.outvars[0], eqns, readers, SQUASHING, _SUMS)
@@ -148,7 +148,7 @@ def find(jaxpr, passed=None) -> Fusions:
     float32_sums |= frozenset(id(e) for e in eqns if _readers.is_mean(e, eqns, readers))
     fused = (bias_adds, float32_sums, residual_sums, chains, frozenset(deferred))
     lone = _readers.lone_operands(eqns, readers)
-    return Fusions(*fused, arguments(jaxpr, passed), accumulated, selects, lone)
+    return Fusions(*fused, args, accumulated, selects, lone)
 
 
 def _read_by_any(candidates, ids, eqns, readers) -> frozenset:
@@ -234,8 +234,8 @@ def parameters(ctx, eqn, vals, among=None) -> list:
     ]
 
 
-def _bias_product(eqn, eqns, producer) -> int | None:
-    """The position of the product in `eqn`, an add of a product and its bias, or None."""
+def _bias_product(eqn, eqns, producer, args) -> int | None:
+    """Where the product is in `eqn`, an add of a parameter's product and its bias."""
     if eqn.primitive.name != "add" or not all(map(_is_var, eqn.invars)):
         return None
     n = _size(eqn.outvars[0])
@@ -243,7 +243,9 @@ def _bias_product(eqn, eqns, producer) -> int | None:
     for v in eqn.invars:
         made_by = eqns[producer[v]] if v in producer else None
         if made_by is not None and made_by.primitive.name in _PRODUCTS and _size(v) == n:
-            kinds.append("product")
+            # of a parameter (a layer's): what attention scores get (a mask) adds apart
+            weighted = any(w in args for w in filter(_is_var, made_by.invars[:2]))
+            kinds.append("product" if weighted else None)
         elif fewer(_size(v), n) or _broadcast_from_fewer(v, eqns, producer) is not None:
             kinds.append("bias")
         else:

@@ -233,6 +233,22 @@ def test_an_attention_mask_added_to_the_scores_is_no_bias_and_adds_in_float32(dt
     assert all(np.all(np.isfinite(g)) for g in grads)
 
 
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_a_mask_given_as_an_argument_adds_to_attention_scores_in_float32(dtype):
+    # Scores are a product of two activations, which takes no bias in torch: a mask
+    # the data pipeline made (-1e9 on padded keys) adds apart, in float32.
+    def f(x, wq, wk, mask):
+        return jax.nn.softmax((x @ wq) @ (x @ wk).T + mask, axis=-1)
+
+    x, wq, wk = _w(4, 8, seed=2), _w(8, 8), _w(8, 8, seed=1)
+    cast = mpjax.autocast(f, dtype=dtype)
+    padded = jnp.full(4, -1e9, F32)  # every key: each row uniform, as in float32
+    for mask in (jnp.asarray([0.0, 0.0, -1e9, -1e9], F32), padded):
+        np.testing.assert_allclose(cast(x, wq, wk, mask), f(x, wq, wk, mask), atol=2e-2)
+    g = jax.grad(lambda *a: jnp.sum(cast(*a)[:, 0] ** 2), argnums=(1, 2))
+    assert all(np.all(np.isfinite(d)) for d in g(x, wq, wk, padded))
+
+
 def test_a_same_size_float32_operand_still_widens():
     f = mpjax.autocast(lambda x, w, y: x @ w + y, dtype=BF16)
     assert f(_w(4, 8), _w(8, 16), _w(4, 16)).dtype == F32
