@@ -50,6 +50,9 @@ def check_function(fun) -> None:
         raise TypeError(f"autocast(fun): got the Flax Linen module class {fun.__name__}. {_APPLY}")
 
 
+_BINDING = frozenset({"apply", "init", "init_with_output"})
+
+
 @contextlib.contextmanager
 def checked_call(fun):
     """Errors naming the fix where `fun` is a Linen module (or its method) that
@@ -59,7 +62,9 @@ def checked_call(fun):
     nothing runs)."""
     linen = sys.modules.get("flax.linen")
     module = getattr(fun, "__self__", fun)  # a bound method's module
-    if linen is None or not isinstance(module, linen.Module) or in_module():
+    # `model.apply` (`init`) binds the variables it is given: Flax's errors are the user's
+    binds = getattr(fun, "__name__", None) in _BINDING
+    if linen is None or not isinstance(module, linen.Module) or binds or in_module():
         yield  # inside a module, `no_leaks` checks
         return
     name = type(module).__name__

@@ -647,6 +647,11 @@ def test_a_linen_module_as_the_function_points_to_its_apply():
     chex.assert_trees_all_close(
         mpjax.autocast(model.apply)(variables, x), model.apply(variables, x), atol=1e-2
     )
+    # and Flax's own error through it, for a mistake of its own kind (no mutable=)
+    import flax.errors
+
+    with pytest.raises(flax.errors.ModifyScopeVariableError, match="batch_stats"):
+        mpjax.autocast(model.apply)(variables, x, train=True)
 
 
 def test_static_scaler_errors_name_static_scaler():
