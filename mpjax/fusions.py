@@ -82,8 +82,8 @@ class Fusions(NamedTuple):
     """ids of the bias adds whose sum is handed on in float32 (read by `SQUASHING`),
     and of the collective sums a constant divides (`lax.pmean`'s)."""
     residual_sums: frozenset = frozenset()
-    """ids of the adds, each another value to a product's (or bias add's) float32
-    accumulator, that are its only readers."""
+    """ids of the adds that are a product's (or bias add's) only readers, each adding
+    another value to its float32 accumulator."""
     chains: dict = {}
     """Chain by the index of its last equation."""
     deferred: frozenset = frozenset()
