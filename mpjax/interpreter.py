@@ -169,7 +169,8 @@ class Context(NamedTuple):
     """Lean policy: the output positions of the jaxpr evaluated next (a call's) that
     its caller reads only by float32-list primitives."""
     bias_adds: dict = {}
-    """ids of the equations adding a bias to a product (`mpjax.fusions`)."""
+    """By id of each equation adding a bias to a product: the product's position
+    (`mpjax.fusions`)."""
     float32_sums: frozenset = frozenset()
     """ids of those whose sum stays float32 (read by `mpjax.fusions.SQUASHING`), and
     of the collective sums a mean divides next."""
