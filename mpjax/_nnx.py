@@ -14,6 +14,7 @@ absent from `sys.modules` no argument can hold one and nothing is imported.
 from __future__ import annotations
 
 import functools
+import math
 import sys
 
 import jax
@@ -102,8 +103,7 @@ def call_with_state(call, fun, args, kwargs):
             with nnx.split_context(tag) as ctx:
                 new_graphdef, new_state = ctx.split(new_nodes)
             # Unchanged values come back as the very tracers that went in.
-            same = new_graphdef.with_no_outer_index() == graphdef.with_no_outer_index()
-            same = same and _same_leaves(new_state, state)
+            same = _same_graph(new_graphdef, graphdef) and _same_leaves(new_state, state)
             return _marked(out, new_nodes), _Static((new_graphdef, same)), new_state
 
         others = [None if i in where else x for i, x in enumerate(leaves)]
@@ -145,6 +145,35 @@ def _unmarked(out, originals):
 
     is_place = lambda x: isinstance(x, _Place)  # noqa: E731
     return jax.tree.map(lambda x: resolve(x) if is_place(x) else x, out, is_leaf=is_place)
+
+
+def _same_graph(new, old) -> bool:
+    """Whether the call left the modules' structure and attributes as they were.
+
+    GraphDefs compare attributes with ``==``, for which a flag set from True to 1,
+    or a 0.0 to -0.0, is no change; a plain call keeps it, and so must this.
+    """
+    if new.with_no_outer_index() != old.with_no_outer_index():
+        return False
+    pairs = zip(getattr(new, "attributes", ()), getattr(old, "attributes", ()))
+    value = lambda attribute: getattr(attribute, "value", None)  # noqa: E731 (a Static's)
+    return all(_identical(value(a), value(b)) for (_, a), (_, b) in pairs)
+
+
+def _identical(a, b) -> bool:
+    """For `a` and `b` known equal: whether their types (throughout) and the signs of
+    their floats are too."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return math.copysign(1.0, a) == math.copysign(1.0, b)
+    if isinstance(a, (tuple, list)):
+        return all(map(_identical, a, b))
+    if isinstance(a, dict):
+        return all(_identical(a[k], b[k]) for k in a) and all(
+            type(k) is type(j) for k, j in zip(a, b)
+        )
+    return True
 
 
 def _same_leaves(a, b) -> bool:

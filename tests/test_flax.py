@@ -207,6 +207,26 @@ def test_nnx_graph_changes_are_kept_under_autocast(low, jit):
     assert net.drop.deterministic and net.bn1.use_running_average
 
 
+class _Flags(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+        self.flag, self.eps, self.sizes = True, 0.0, (1.0, 2)
+
+    def __call__(self, x):
+        self.flag, self.eps, self.sizes = 1, -0.0, (1, 2)  # each == what it was
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx.jit"])
+def test_nnx_attributes_set_to_equal_values_of_another_type_are_kept(low, jit):
+    # A plain call keeps ``flag = 1`` over True, and -0.0 over 0.0: equal, not the same.
+    wrap = nnx.jit if jit else (lambda f: f)
+    model = _Flags()
+    wrap(mpjax.autocast(lambda m, x: m(x), dtype=low))(model, jnp.ones((1, 2)))
+    assert type(model.flag) is int and type(model.sizes[0]) is int
+    assert np.signbit(model.eps)
+
+
 def _bn_model():
     return nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), nnx.BatchNorm(8, rngs=nnx.Rngs(0)))
 
