@@ -30,6 +30,7 @@ from mpjax import _compat
 from mpjax import _constants
 from mpjax import _pointwise
 from mpjax import _prescale
+from mpjax import _products
 from mpjax import _reorder
 from mpjax import _shifts
 from mpjax import first_order
@@ -342,7 +343,9 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
 def _fuses(ctx: Context, chain, eqns, env) -> bool:
     """Whether a pointwise function runs as one (`mpjax.fusions`): the default
     policy is on for all of it and the products reading it (an inner region
-    may turn autocast off for them), and its activation arrives in 16 bits."""
+    may turn autocast off for them), none of which runs as written (a float32
+    product given ``precision=HIGHEST`` would read its rounding), and its
+    activation arrives in 16 bits."""
     regions = {region_of(eqns[j], ctx.region) for j in chain.eqns + chain.products}
     if len(regions) != 1:
         return False
@@ -353,6 +356,10 @@ def _fuses(ctx: Context, chain, eqns, env) -> bool:
         and not region.lean
         and not weak
         and dtype_of(source) in (region.dtype, F32)
+        and not any(
+            _products.runs_as_written(eqns[j], [v.aval for v in eqns[j].invars])
+            for j in chain.products
+        )
     )
 
 

@@ -12,7 +12,7 @@ import optax
 from jax import lax
 import pytest
 from flax import nnx
-from conftest import F16, F32, all_eqns, rel_tol
+from conftest import BF16, F16, F32, all_eqns, rel_tol
 
 import mpjax
 
@@ -306,6 +306,28 @@ def test_explicit_highest_precision_product_runs_as_written():
             return x @ w
 
     np.testing.assert_array_equal(jax.jit(mpjax.autocast(inside))(w, x), inside(w, x))
+
+
+@pytest.mark.parametrize("low", [F16, BF16], ids=["f16", "bf16"])
+def test_an_activation_read_by_a_highest_precision_product_is_not_rounded(low):
+    # A GELU read only by products runs as one function that rounds its result for
+    # them, unless a product runs as written: it reads the float32 GELU, unrounded.
+    shapes = [(8, 32), (32, 32), (32, 4)]
+    x, w1, w2 = (jax.random.normal(jax.random.key(i), s) for i, s in enumerate(shapes))
+
+    def f(x, w1, w2):
+        return jnp.dot(jax.nn.gelu(x @ w1), w2, precision=jax.lax.Precision.HIGHEST)
+
+    h = jax.nn.gelu((x.astype(low) @ w1.astype(low)).astype(F32))
+    want = jnp.dot(h, w2, precision=jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(mpjax.autocast(f, dtype=low)(x, w1, w2), want, rtol=1e-6, atol=1e-6)
+    eqns = all_eqns(jax.make_jaxpr(mpjax.autocast(f, dtype=low))(x, w1, w2))
+    rounded = [
+        e.invars[0]
+        for e in eqns
+        if e.primitive.name == "convert_element_type" and e.params["new_dtype"] == low
+    ]
+    assert len(rounded) == 2  # x and w1, for the first product; nothing after it
 
 
 # --- Flax NNX's functional API: nnx.State arguments and outputs are pytrees --------
