@@ -345,7 +345,8 @@ def _batch_linear_call(args, dims, *, callee, transpose_thunk, num_callee_consts
         t_jaxpr, t_jaxpr_consts = jaxpr_and_consts(transpose)
         res, res_axes = fixed[num_callee_consts:], fixed_axes[num_callee_consts:]
         run = lambda r, c: jax.core.eval_jaxpr(t_jaxpr, t_jaxpr_consts, *t_consts, *r, *c)  # noqa: E731
-        outs = jax.vmap(run, in_axes=(res_axes, 0), axis_size=size)(res, cts)
+        axes_out = [0 if ax is None else ax for ax in lin_axes]  # each on its input's axis
+        outs = jax.vmap(run, (res_axes, 0), axes_out, axis_size=size)(res, cts)
         return [o if ax is not None else _batch_sum(o) for o, ax in zip(outs, lin_axes)]
 
     outs = linear_call(fun, fun_transpose, fixed, lin)
@@ -392,8 +393,7 @@ def called_name(eqn) -> str:
 
 
 def called_source(eqn) -> str:
-    """``"name at file:line"`` of the function a custom_jvp_call calls, as its
-    jaxpr's debug info records it ("" where it records none)."""
+    """``"name at file:line"`` of a custom_jvp_call's function, from its jaxpr's debug info."""
     for sub in sub_jaxprs(eqn.params):
         info = getattr(getattr(sub, "jaxpr", sub), "debug_info", None)
         return getattr(info, "func_src_info", None) or ""

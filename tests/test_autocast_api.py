@@ -293,6 +293,20 @@ def _biased_loss(w, x):
     return jnp.sum(jax.nn.softmax(h @ w + w[1]) ** 2)
 
 
+def _grad_of_vmapped_jvp(ac, f):
+    """The gradient of directional derivatives, the directions stacked on a last
+    axis: the transpose of a batched JVP, each cotangent on its input's axis."""
+
+    def g(w, x):
+        def weighted(directions):
+            jvp = lambda d: jax.jvp(lambda v: ac(f)(v, x), (w,), (d,))[1]  # noqa: E731
+            return jnp.sum(jnp.arange(1.0, 4.0) * jax.vmap(jvp, in_axes=2)(directions))
+
+        return jax.grad(weighted)(jnp.stack([w, 2 * w, -w], axis=2))
+
+    return g
+
+
 TRANSFORMS = {
     "jit": lambda ac, f: jax.jit(ac(f)),
     "grad": lambda ac, f: jax.grad(ac(f)),
@@ -309,7 +323,7 @@ TRANSFORMS = {
     "autocast(jvp)": lambda ac, f: ac(lambda w, x: jax.jvp(f, (w, x), (jnp.ones_like(w), x))[1]),
     "hessian-vector": lambda ac, f: (
         lambda w, x: jax.jvp(jax.grad(ac(f)), (w, x), (jnp.ones_like(w), x))[1]
-    ),
+    ),    "grad(vmap(jvp)) on a last axis": _grad_of_vmapped_jvp,
 }
 
 
