@@ -380,7 +380,9 @@ def _convert_rule(ctx, eqn, vals, weak):
             eqn, *_cast_all(ctx, vals, _targets(Rule.ORIGINAL, eqn, vals, weak, None), weak)
         )
     if new_dtype == original_in or dtype_of(x) == new_dtype:
-        return [x]
+        # A reshard (``jnp.astype(x, t, device=...)``) keeps its sharding, at x's dtype.
+        resharded = eqn.params.get("sharding") is not None
+        return _compat.bind(eqn, x, new_dtype=dtype_of(x)) if resharded else [x]
     return _compat.bind(eqn, x)
 
 
