@@ -48,7 +48,8 @@ def convert(x, dtype: np.dtype, saturate: bool):
     """
     numpy_value = is_concrete(x)
     if saturate and jnp.finfo(dtype).max < jnp.finfo(dtype_of(x)).max:
-        hi = jnp.finfo(dtype).max.astype(dtype_of(x))
+        # The bound in x's dtype, rounded down: 65504 in bfloat16 rounds up to 65536.
+        hi = _largest_below(jnp.finfo(dtype).max, dtype_of(x))
         if numpy_value:  # a literal
             return np.where(np.isfinite(x), np.clip(x, -hi, hi), x).astype(dtype)
         # Computed from literals, so XLA folds it. The select is made in `dtype`:
@@ -84,3 +85,9 @@ def constrained(values, shardings):
     if not shardings:
         return values
     return [one(x, s) for x, s in zip(values, shardings, strict=True)]
+
+
+def _largest_below(bound, dtype):
+    """The largest value of `dtype` at most `bound`."""
+    hi = np.asarray(bound).astype(dtype)
+    return hi if hi <= bound else np.nextafter(hi, np.asarray(0, dtype))
