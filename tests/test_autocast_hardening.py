@@ -73,6 +73,19 @@ def test_a_mask_fill_is_kept_as_written_and_so_are_infinities_and_nan(low):
     assert np.isnan(out[3])
 
 
+@pytest.mark.parametrize("source", [F32, BF16], ids=["f32", "bf16"])
+def test_a_saturating_cast_to_float16_stays_finite(source):
+    # The bound in the source dtype rounds down: 65504 in bfloat16 is 65536,
+    # which float16 holds as inf.
+    from mpjax._casting import convert
+
+    top = 65504.0 if source == F32 else 65280.0  # the largest bfloat16 below 65504
+    x = np.array([1e5, -1e5, 7e4, np.inf, -np.inf], source)
+    for value in (x, jnp.asarray(x)):  # a literal, an array
+        out = np.asarray(convert(value, F16, saturate=True), np.float32)
+        np.testing.assert_array_equal(out, [top, -top, top, np.inf, -np.inf])
+
+
 def test_a_sentinel_fill_still_equals_itself_later(low):
     """``min(where(valid, d, 1e9))`` then ``d >= 1e9``: the fill and the
     comparison must see the same number (a saturated fill never reached 1e9)."""
@@ -869,6 +882,30 @@ def test_a_products_out_sharding_is_kept():
         out, ref = jax.jit(mpjax.autocast(f))(w, x), jax.jit(f)(w, x)
     assert jax.typeof(out) == jax.typeof(ref)
     chex.assert_trees_all_equal(out, ref)
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest)")
+def test_a_cast_that_reshards_keeps_its_sharding(low):
+    """``jnp.astype(x, dtype, device=...)`` to the dtype autocast holds the value
+    in (or its own), and ``jnp.linspace(..., device=...)``: the dtype may be left
+    alone, the sharding asked for may not."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+    use_mesh = getattr(jax.sharding, "use_mesh", None) or jax.set_mesh
+    with use_mesh(mesh):
+        x = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("a", None)))
+        columns = NamedSharding(mesh, P(None, "b"))
+        cases = {
+            "same dtype": lambda x: jnp.astype(x, F32, device=columns) * 2.0,
+            "after a product": lambda x: jnp.astype(x @ jnp.ones((4, 4)), F32, device=columns),
+            "linspace": lambda x: jnp.linspace(0.0, 1.0, 8, device=NamedSharding(mesh, P("a"))),
+        }
+        for name, f in cases.items():
+            out, ref = jax.jit(mpjax.autocast(f, dtype=low))(x), jax.jit(f)(x)
+            assert out.sharding.spec == ref.sharding.spec, name
+            np.testing.assert_allclose(out, ref, rtol=rel_tol(low), err_msg=name)
 
 
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest)")
