@@ -289,9 +289,8 @@ def _nonfinite_flags(config: ScalerConfig, tree, subtrees, scale, read=None):
         names = tuple(subtrees)
         depth = _subtrees.depth(tree)
         index = {name: i for i, name in enumerate(names)}
-        # A leaf outside every named subtree (a tree unlike the parameters) goes to
-        # a segment of its own past the end, which segment_any drops.
         segments = [index.get(_subtrees.name(flat[j][0], depth), len(names)) for j in order]
+        _subtrees.check_named(config.name, names, [flat[j][0] for j in order], segments)
         by_subtree = _finite.segment_any(flags, segments, len(names))
     if config.axis_name is not None:
         # Every device must take the same branch, or replicas drift apart.

@@ -57,6 +57,21 @@ def name(path, levels: int) -> str:
     return jax.tree_util.keystr(_named(path)[:levels]) or "<root>"
 
 
+def check_named(fn: str, names, paths, segments) -> None:
+    """A ValueError where a gradient lies in none of the subtrees `names` of the
+    parameters given to init (segment ``len(names)``): the step would still be
+    checked, but its flags would say nothing of where an inf came from."""
+    for path, segment in zip(paths, segments):
+        if segment == len(names):
+            raise ValueError(
+                f"{fn} update: the gradient at {jax.tree_util.keystr(path) or '<root>'} lies "
+                f"in none of the subtrees of the parameters given to init ({', '.join(names)}): "
+                "the gradients are not structured as those parameters. Pass init the "
+                "parameters the gradients are taken of (with Flax Linen, variables['params'], "
+                "not the whole variables)."
+            )
+
+
 def _named(path) -> tuple:
     """A leaf's path without the ``.value`` of the `flax.nnx.Variable` holding it:
     an ``nnx.Optimizer`` inits on Variables and updates with their arrays."""
