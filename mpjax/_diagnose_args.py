@@ -166,8 +166,14 @@ def _loss_of(out, has_aux):
             "return float32 by themselves."
         )
     if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+        fix = (
+            "Reduce it (e.g. .mean()) inside loss_fn."
+            if loss.shape != ()
+            else "Return a floating-point loss (a cross-entropy, not a count): only a "
+            "floating-point value has gradients."
+        )
         raise TypeError(
             f"diagnose: loss_fn must return a floating-point scalar loss, got "
-            f"{loss.dtype}{list(loss.shape)}. Reduce it (e.g. .mean()) inside loss_fn."
+            f"{loss.dtype}{list(loss.shape)}. {fix}"
         )
     return loss

@@ -177,6 +177,11 @@ def _loss_and_aux(out, has_aux: bool, differentiated: list):
             )
         raise ValueError(f"{_NAME}: fun must return a scalar loss, got {_describe(loss)}.")
     loss = jnp.asarray(loss)
+    if loss.shape != () and has_aux and _is_scalar_loss(aux):
+        raise ValueError(
+            f"{_NAME}(has_aux=True): fun returned (an array of shape {loss.shape}, a "
+            "scalar): the loss comes first. Return (loss, aux), as for jax.value_and_grad."
+        )
     if loss.shape != ():
         raise ValueError(
             f"{_NAME}: fun must return a scalar loss, got an array of shape {loss.shape}. "
@@ -185,6 +190,10 @@ def _loss_and_aux(out, has_aux: bool, differentiated: list):
     if not jnp.issubdtype(loss.dtype, jnp.floating):
         raise ValueError(f"{_NAME}: fun must return a floating-point loss, got dtype {loss.dtype}.")
     return loss, aux
+
+
+def _is_scalar_loss(x) -> bool:
+    return hasattr(x, "dtype") and jnp.shape(x) == () and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def _shaped_like(tree, differentiated: list) -> bool:

@@ -558,8 +558,10 @@ def test_the_bias_before_a_normalization_is_not_called_an_underflow():
         (jax.grad(lambda p, x: jnp.sum(x @ p["w"])), "not its gradient function"),
         (lambda p, x: {"loss": jnp.sum(x @ p["w"])}, "got a dict"),
         (lambda p, x: jnp.sum(x @ p["w"]).astype(jnp.float16), "returns a float16 loss"),
+        (lambda p, x: x @ p["w"], r"float32\[3, 2\]\. Reduce it"),
+        (lambda p, x: jnp.sum(x @ p["w"] > 0), r"int32\[\]\. Return a floating-point loss"),
     ],
-    ids=["gradient function", "dict of metrics", "float16 loss"],
+    ids=["gradient function", "dict of metrics", "float16 loss", "not reduced", "a count"],
 )
 def test_a_loss_that_is_no_float32_scalar_is_refused_with_the_fix(loss_fn, message):
     with pytest.raises(TypeError, match=message):

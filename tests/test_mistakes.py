@@ -11,6 +11,8 @@ correctly or stops at the first step with an error that names the fix.
 | ``scaled_value_and_grad(f, value_and_grad=jax.grad)`` (or ``nnx.grad``) | TypeError: value_and_grad must be a value-and-gradient transform |
 | a ``(loss, aux)`` loss without ``has_aux=True`` | ValueError naming ``has_aux=True`` |
 | a non-scalar loss | ValueError naming the shape and ``.mean()`` |
+| ``(aux, loss)`` returned with ``has_aux=True`` | ValueError: the loss comes first |
+| the scaler's state made by ``init`` on Linen's whole ``variables``, updated with the gradients of ``variables["params"]`` | ValueError naming the gradient outside every subtree and ``variables['params']`` |
 | an NNX module with the default ``value_and_grad`` | differentiated with ``nnx.value_and_grad`` |
 | Linen ``TrainState.apply_gradients`` on a skipped step | the recipe below keeps ``step`` (and so the schedule) where it was |
 | ``@autocast`` on a Linen ``@nn.compact`` method, or an autocast closure creating Linen layers | TypeError / ValueError naming ``autocast(model.apply)`` (``init`` returned leaked tracers) |
@@ -286,13 +288,38 @@ def test_inner_non_finite_updates_neither_grow_nor_back_off_the_scale():
         (loss_fn, {"has_aux": True}, r"must return a \(loss, aux\) pair"),
         (lambda p, x, y: jnp.tanh(x @ p["w1"]), {}, r"shape \(64, 32\).*mean\(\)"),
         (lambda p, x, y: jnp.sum(y), {}, r"floating-point loss"),
+        (
+            lambda p, x, y: (jnp.tanh(x @ p["w1"]), loss_fn(p, x, y)),
+            {"has_aux": True},
+            r"the loss comes first\. Return \(loss, aux\)",
+        ),
     ],
-    ids=["gradient function", "forgotten has_aux", "has_aux without aux", "non-scalar", "int"],
+    ids=[
+        "gradient function",
+        "forgotten has_aux",
+        "has_aux without aux",
+        "non-scalar",
+        "int",
+        "(aux, loss)",
+    ],
 )
 def test_scaled_value_and_grad_names_the_fix(fun, kwargs, match):
     state = mpjax.grad_scaler(optax.sgd(0.1)).init(_params())
     with pytest.raises(ValueError, match=match):
         mpjax.scaled_value_and_grad(fun, state, **kwargs)(_params(), X, Y)
+
+
+def test_a_scaler_state_made_for_other_parameters_is_an_error():
+    # Linen's whole variables given to init, the gradients of variables["params"]:
+    # with an inner optimizer keeping no per-parameter state (sgd) nothing else
+    # notices, and the flags saying where an inf came from name the wrong tree.
+    params = {"params": _params(), "batch_stats": {"mean": jnp.zeros(4)}}
+    tx = mpjax.grad_scaler(optax.sgd(0.1))
+    grads = jax.grad(loss_fn)(params["params"], X, Y)
+    with pytest.raises(ValueError, match=r"at \['w1'\] lies in none of the subtrees .*"
+                       r"\['batch_stats'\], \['params'\].*variables\['params'\]"):
+        jax.jit(tx.update)(grads, tx.init(params), params["params"])
+    tx.update(grads, tx.init(params["params"]), params["params"])  # as it should be
 
 
 @pytest.mark.parametrize("grad", [jax.grad, nnx.grad], ids=["jax.grad", "nnx.grad"])
