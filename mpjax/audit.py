@@ -100,7 +100,13 @@ class AuditReport:
         lines.append(
             f"dot/conv FLOPs in 16-bit precision: {self.low_precision_fraction:.1%} "
             f"of {self.matmul_flops:,}"
+            if self.matmul_flops
+            else "dot/conv FLOPs in 16-bit precision: none, no dense product or convolution"
         )
+        sparse = sorted({prim for prim, _, _ in self.summary() if _is_other_product(prim)})
+        if sparse:
+            # jax.experimental.sparse's products: autocast has no rule for them.
+            lines.append(f"not counted: {', '.join(sparse)}, run as traced, in their own dtypes")
         float8 = any(i.startswith("float8") for _, ins, _ in self.summary() for i in ins)
         if self.matmul_flops and not self.low_precision_flops and not float8:
             # The usual cause: the function audited is not the autocast one (a
@@ -235,6 +241,12 @@ def _multiplies_low(operands, upcast_from) -> bool:
     if not any(d in policy.LOW_DTYPES for d in dtypes):
         return False
     return all(d in policy.LOW_DTYPES or v in upcast_from for v, d in zip(operands, dtypes))
+
+
+def _is_other_product(primitive: str) -> bool:
+    """A product (``bcoo_dot_general``, ``bcsr_dot_general``) that is not one of
+    the dense products and convolutions the FLOP share counts."""
+    return primitive.endswith("dot_general") and primitive not in _MATMULS
 
 
 def _matmul_flops(eqn) -> int:

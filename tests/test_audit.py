@@ -197,3 +197,14 @@ def test_an_nnx_module_is_audited_as_it_runs():
     before = nnx.state(model)
     assert mpjax.audit(model, jnp.ones((2, 4))).matmul_flops == 2 * 2 * 4 * 8
     chex.assert_trees_all_equal(nnx.state(model), before)
+
+
+def test_a_sparse_product_is_named_not_counted_as_a_share():
+    # jax.experimental.sparse's products run as traced, in float32: "100.0% of 0"
+    # would read as full 16-bit coverage.
+    from jax.experimental import sparse
+
+    m = sparse.BCOO.fromdense(jnp.eye(8) * 2.0)
+    text = str(mpjax.audit(mpjax.autocast(lambda m, x: jnp.tanh(m @ x).sum()), m, jnp.ones((8, 4))))
+    assert "100.0%" not in text and "none, no dense product or convolution" in text
+    assert "not counted: bcoo_dot_general, run as traced" in text
