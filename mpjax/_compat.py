@@ -40,8 +40,7 @@ def bind(eqn, *args, **param_updates):
 
 
 def staging_trace():
-    """The trace of jit or make_jaxpr in progress, if current (not vmap, grad or
-    eager evaluation); otherwise None. `emit` checks each argument is its own."""
+    """The current trace if jit's or make_jaxpr's (not vmap's, grad's), else None."""
     from jax._src import core
     from jax._src.interpreters import partial_eval as pe
 
@@ -58,7 +57,9 @@ def emit(trace, eqn, args):
     if tracers is None:
         return bind(eqn, *[a.val if isinstance(a, Literal) else a for a in args])
     out_avals = [v.aval for v in eqn.outvars]
-    src = eqn.source_info
+    # Under the caller's scopes (an autocast region is one), as jit's inlining puts it.
+    stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    src = eqn.source_info.replace(name_stack=stack)
     return trace.emit_eqn(tracers, out_avals, eqn.primitive, eqn.params, eqn.effects, src, eqn.ctx)
 
 
@@ -353,9 +354,8 @@ def _batch_linear_call(args, dims, *, callee, transpose_thunk, num_callee_consts
     return outs, [0] * len(outs)
 
 
-def _batch_sum(x):
-    low = x.dtype in (jax.numpy.float16, jax.numpy.bfloat16)
-    return x.astype(jax.numpy.float32).sum(0).astype(x.dtype) if low else x.sum(0)
+def _batch_sum(x):  # in float32 for 16-bit values
+    return x.sum(0, dtype=jax.numpy.promote_types(x.dtype, jax.numpy.float32)).astype(x.dtype)
 
 
 # JAX's JVP rule for it asserts that the residuals have no tangents, which

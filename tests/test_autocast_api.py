@@ -274,6 +274,33 @@ def test_disabled_region_inside_nested_jit():
     assert _precisions(mpjax.autocast(f), _w(3, 3), _w(2, 3)) == [F16, F32]
 
 
+def test_disabled_region_covers_the_loss_scalers_update():
+    # A step autocast as a whole, its optimizer update in a disabled region: the
+    # scaler evaluates its optimizer's program again (selecting the state where it
+    # is computed), and that program is in the region too. Products an optimizer
+    # makes (an orthogonalizing one's) stay float32.
+    import optax
+
+    def orthogonalize(g, state, params=None):
+        return jax.tree.map(lambda x: 1.5 * x - 0.5 * x @ x.T @ x, g), state
+
+    inner = optax.chain(
+        optax.GradientTransformation(lambda p: optax.EmptyState(), orthogonalize),
+        optax.scale_by_adam(),
+    )
+    tx = mpjax.grad_scaler(inner)
+    params = {"w": _w(4, 4), "v": _w(4, 3, seed=1)}
+    grads, state = jax.tree.map(jnp.sin, params), tx.init(params)
+
+    def step(grads, state, params):
+        return mpjax.autocast(tx.update, enabled=False)(grads, state, params)
+
+    assert set(_precisions(mpjax.autocast(step), grads, state, params)) == {F32}
+    chex.assert_trees_all_equal(
+        jax.jit(mpjax.autocast(step))(grads, state, params), jax.jit(tx.update)(grads, state, params)
+    )
+
+
 def test_enabled_false_at_top_level_is_identity():
     f = lambda a: jnp.exp(a @ a)
     assert _precisions(mpjax.autocast(f, enabled=False), _w(2, 2)) == [F32]
