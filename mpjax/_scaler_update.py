@@ -387,7 +387,8 @@ def _zeros_where(pred, tree, zero=0.0):
     zeros: dict = {}
 
     def zeros_like(t):
-        key = jax.typeof(t)
+        # A concrete array's type under a mesh of automatic axes omits its sharding.
+        key = jax.typeof(t), None if _compat.is_tracer(t) else getattr(t, "sharding", None)
         if key not in zeros:
             kind = jnp.result_type(t).kind
             zeros[key] = lax.full_like(t, complex(zero, zero) if kind == "c" else zero)

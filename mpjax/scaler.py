@@ -281,8 +281,10 @@ def _loss_scaler(inner, config: ScalerConfig) -> optax.GradientTransformationExt
         if config.enabled:
             check_no_float16(params, inner, inner_state, config.name)
         if config.accumulation_steps > 1:
+            # Laid out as each parameter is: a tensor-parallel model's accumulator
+            # is sharded as its parameters are, not copied whole onto each device.
             accumulator = jax.tree.map(
-                lambda p: jnp.zeros(jnp.shape(p), _scaler_update.accumulator_dtype(p)),
+                lambda p: jnp.zeros_like(p, _scaler_update.accumulator_dtype(p)),
                 _subtrees.gradient_shaped(params),
             )
         else:

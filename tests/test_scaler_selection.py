@@ -8,6 +8,7 @@ program), and a dropped one leaves its state bit for bit.
 """
 
 import collections
+import contextlib
 
 import chex
 import jax
@@ -290,3 +291,31 @@ def test_leaves_of_every_shape_are_kept_or_dropped_whole(sharded):
         assert bool(dropped.last_step_skipped), name
         chex.assert_trees_all_equal(dropped.inner_state, state.inner_state)
         chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params))
+
+
+@pytest.mark.parametrize("axes", ["explicit", "auto"])
+def test_the_scalers_state_and_updates_are_laid_out_as_the_parameters(axes):
+    # The accumulator made by init is sharded as its parameter (a replicated one was
+    # a whole copy of the model on each device), and the updates of an eager step
+    # keep each leaf's sharding (zeros shared by leaves of one type took the
+    # first's layout under a mesh of automatic axes, whose types omit it).
+    P = jax.sharding.PartitionSpec
+    kind = getattr(jax.sharding.AxisType, axes.capitalize())
+    mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(kind, kind))
+    specs = {"row": P("x", None), "col": P(None, "y"), "rep": P()}
+    params = {
+        k: jax.device_put(jnp.linspace(-1.0, 1.0, 32).reshape(8, 4), jax.NamedSharding(mesh, s))
+        for k, s in specs.items()
+    }
+    grads = jax.tree.map(lambda p: p * 0.5, params)
+    use_mesh = getattr(jax.sharding, "use_mesh", None) or jax.set_mesh
+    with use_mesh(mesh) if axes == "explicit" else contextlib.nullcontext():
+        tx = mpjax.grad_scaler(optax.adam(1e-3), accumulation_steps=2, accumulation="mean")
+        state = tx.init(params)
+        for name, spec in specs.items():
+            assert state.grad_accumulator[name].sharding.spec == spec, name
+        updates, _ = mpjax.grad_scaler(optax.adam(1e-3)).update(
+            grads, mpjax.grad_scaler(optax.adam(1e-3)).init(params), params
+        )
+    for name, spec in specs.items():
+        assert updates[name].sharding.is_equivalent_to(params[name].sharding, 2), name
