@@ -28,11 +28,16 @@ def size(x) -> int:
 
 
 def fewer(a, b) -> bool:
-    """Whether size `a` < size `b`; False where symbolic sizes cannot tell."""
+    """Whether size `a` < size `b`. Of symbolic sizes (`jax.export`'s), where `a`
+    is at most `b` and may be less (n against b * n, for any batch b), as a program
+    traced at a batch of 2 or more decides; False where nothing can tell."""
     try:
         return bool(a < b)
     except jax.errors.InconclusiveDimensionOperation:
-        return False
+        try:
+            return bool(a <= b)
+        except jax.errors.InconclusiveDimensionOperation:
+            return False
 
 
 def is_concrete(x) -> bool:

@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 
 from mpjax import _compat, _constants, _products, fusions, policy
-from mpjax._casting import F32, dtype_of, is_concrete
+from mpjax._casting import F32, dtype_of, fewer, is_concrete
 from mpjax.fusions import _is_var
 from mpjax.policy import Rule
 
@@ -241,5 +241,6 @@ def _shares(e: int, ctx, eqn, vals, shared) -> tuple[int, int]:
     if not any(free):
         if any(shared):
             return 0, 0
-        free = [np.size(vals[0]) <= np.size(vals[1]), np.size(vals[0]) > np.size(vals[1])]
+        larger = fewer(np.size(vals[1]), np.size(vals[0]))  # symbolic sizes too
+        free = [not larger, larger]
     return (max(e, _SHARE), 0) if free[0] else (0, max(e, _SHARE))

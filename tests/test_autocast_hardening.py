@@ -1126,20 +1126,23 @@ def test_custom_jvp_with_an_integer_output_is_differentiated():
 
 def test_export_with_a_symbolic_batch_dimension(low):
     """`jax.export` shape polymorphism: sizes are symbolic, and compare only
-    where they can (a bias add, a softmax, an arange over the batch)."""
+    where they can (a bias add, a softmax, an arange over the batch, a scale after
+    a product of two arguments). The exported program is the jitted one's, bit for
+    bit: a bias of n elements against b * n is a bias for any batch b."""
     from jax import export
 
     k = jax.random.split(jax.random.key(0), 3)
     params = {
         "w1": jax.random.normal(k[0], (4, 8)) / 2,
-        "b1": jnp.full((8,), 0.1),
+        "b1": jnp.full((8,), 0.1, jnp.float32),
         "w2": jax.random.normal(k[1], (8, 3)) / 3,
+        "b2": jnp.full((3,), -0.2, jnp.float32),
     }
 
     def loss(params, x):
-        h = jax.nn.gelu(x @ params["w1"] + params["b1"])
+        h = jax.nn.gelu((x @ params["w1"]) / 8.0 + params["b1"])
         h = (h - h.mean(-1, keepdims=True)) + jnp.arange(x.shape[0])[:, None] * 1e-3
-        logits = jax.nn.log_softmax(h @ params["w2"])
+        logits = jax.nn.log_softmax(h @ params["w2"] + params["b2"])
         return -jnp.mean(logits[:, 0])
 
     (batch,) = export.symbolic_shape("b")
@@ -1154,6 +1157,7 @@ def test_export_with_a_symbolic_batch_dimension(low):
         )
         np.testing.assert_allclose(value, value_ref, rtol=2e-2)
         chex.assert_trees_all_close(grads, grads_ref, rtol=5e-2, atol=2e-2)
+        chex.assert_trees_all_equal((value, grads), step(params, x))
 
 
 # --- operations torch keeps in float32 or promotes ---------------------------------
