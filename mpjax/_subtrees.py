@@ -9,12 +9,14 @@ parameters, whose gradients its update takes.
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import optax
 
 from mpjax import _compat, _finite
-from mpjax.scaler_state import SubtreeFlags, register_serialization
+from mpjax.scaler_state import GradScalerState, SubtreeFlags, register_serialization
 
 
 def no_subtree_flags(params) -> SubtreeFlags | jax.Array:
@@ -78,3 +80,24 @@ def _named(path) -> tuple:
     return tuple(
         k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")
     )
+
+
+def _register_export_serialization() -> None:
+    """Lets ``jax.export``'s ``Exported.serialize`` save a program whose arguments or
+    results hold the scaler's state: its NamedTuple, and the subtree flags, whose
+    auxiliary data is the tuple of their names."""
+    try:
+        jax.export.register_namedtuple_serialization(
+            GradScalerState, serialized_name="mpjax.GradScalerState"
+        )
+        jax.export.register_pytree_node_serialization(
+            SubtreeFlags,
+            serialized_name="mpjax.SubtreeFlags",
+            serialize_auxdata=lambda names: json.dumps(list(names)).encode(),
+            deserialize_auxdata=lambda data: tuple(json.loads(data)),
+        )
+    except ValueError:  # registered already: mpjax imported again (importlib.reload)
+        pass
+
+
+_register_export_serialization()

@@ -92,6 +92,21 @@ def test_a_state_unpickled_in_a_fresh_process_can_be_serialized(tmp_path):
         assert run.returncode == 0, run.stderr.decode()[-2000:]
 
 
+def test_the_scalers_state_types_are_registered_for_jax_export():
+    # Exported.serialize() of a step whose arguments hold the state needs every
+    # pytree type registered; mpjax registers its own at import.
+    for register, kwargs in [
+        (jax.export.register_namedtuple_serialization, {}),
+        (
+            jax.export.register_pytree_node_serialization,
+            {"serialize_auxdata": repr, "deserialize_auxdata": str},
+        ),
+    ]:
+        kind = mpjax.GradScalerState if not kwargs else mpjax.SubtreeFlags
+        with pytest.raises(ValueError, match=f"Previous registration .* `mpjax.{kind.__name__}`"):
+            register(kind, serialized_name="again", **kwargs)
+
+
 def test_an_nnx_optimizer_over_one_variable_names_its_subtree():
     class OneParam(nnx.Module):
         def __init__(self):
