@@ -12,6 +12,9 @@ to nearest is symmetric), with no widening directly after a rounding for XLA to
 remove, so XLA sums the 16-bit cotangent in the kernel that computes it, as a
 hand-cast model's program does. The product's cotangent is the 16-bit cotangent
 itself.
+
+Which adds are a bias's is decided here too (`bias_product`): a layer's bias varies
+along the features its weight gives the product, an attention mask does not.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from mpjax import _compat
-from mpjax._casting import F32, convert
+from mpjax._casting import F32, convert, fewer, size
+
+PRODUCTS = frozenset({"dot_general", "ragged_dot_general", "conv_general_dilated"})
 
 
 def rounded_bias_add(add, operands, bias: int, low):
@@ -87,3 +92,63 @@ def _summed(x, shape):
     lead = x.ndim - len(shape)
     stretched = [lead + i for i, n in enumerate(shape) if n == 1 and x.shape[lead + i] != 1]
     return x.sum(tuple(range(lead)) + tuple(stretched)).reshape(shape)
+
+
+def feature_dims(product, weighted) -> frozenset:
+    """The output dimensions of `product` (a ``dot_general``, convolution or ragged
+    product) that the free dimensions of its `weighted` operands (a layer's
+    weight) give: its output features, along which a layer's bias varies. An
+    attention mask varies along others too: the batch, the query positions."""
+    out = product.outvars[0].aval.ndim
+    name = product.primitive.name
+    if name == "conv_general_dilated":
+        return frozenset({product.params["dimension_numbers"].out_spec[1]})
+    if name != "dot_general":
+        return frozenset({out - 1})  # a ragged product: the experts' features, last
+    (lhs_contract, _), (lhs_batch, _) = product.params["dimension_numbers"]
+    lhs_end = product.invars[0].aval.ndim - len(lhs_contract)  # batch, then lhs free
+    spans = [range(len(lhs_batch), lhs_end), range(lhs_end, out)]
+    return frozenset(d for span, w in zip(spans, weighted) if w for d in span)
+
+
+def varying_dims(bias, broadcast) -> frozenset:
+    """The output dimensions along which `bias` (a variable of the product's shape or
+    of fewer elements) varies: through `broadcast`, the ``broadcast_in_dim`` that
+    made it, if any."""
+    if broadcast is None:
+        return frozenset(i for i, n in enumerate(bias.aval.shape) if n != 1)
+    operand, dims = broadcast.invars[0].aval, broadcast.params["broadcast_dimensions"]
+    return frozenset(d for d, n in zip(dims, operand.shape) if n != 1)
+
+
+def bias_product(eqn, eqns, producer, args) -> int | None:
+    """Where the product is in `eqn`, an add of a parameter's product and its bias:
+    a value of fewer elements varying along the output features the parameter
+    gives, as a layer's bias does. An attention mask (``[B, 1, 1, T]``, causal)
+    varies along the batch or the queries, and adds apart (in float32)."""
+    if eqn.primitive.name != "add" or not all(map(_is_var, eqn.invars)):
+        return None
+    n = size(eqn.outvars[0].aval)
+    for k, v in enumerate(eqn.invars):
+        made_by = eqns[producer[v]] if v in producer else None
+        if made_by is None or made_by.primitive.name not in PRODUCTS or size(v.aval) != n:
+            continue
+        weighted = [_is_var(w) and w in args for w in made_by.invars[:2]]
+        bias = eqn.invars[1 - k]
+        broadcast = broadcast_from_fewer(bias, eqns, producer)
+        if any(weighted) and (fewer(size(bias.aval), n) or broadcast is not None):
+            features = feature_dims(made_by, weighted)
+            return k if varying_dims(bias, broadcast) <= features else None
+    return None
+
+
+def broadcast_from_fewer(v, eqns, producer):
+    """The ``broadcast_in_dim`` equation that made `v` from fewer elements, or None."""
+    made_by = eqns[producer[v]] if _is_var(v) and v in producer else None
+    if made_by is None or made_by.primitive.name != "broadcast_in_dim":
+        return None
+    return made_by if fewer(size(made_by.invars[0].aval), size(v.aval)) else None
+
+
+def _is_var(v) -> bool:
+    return not isinstance(v, _compat.Literal)

@@ -56,9 +56,9 @@ import jax
 import numpy as np
 
 from mpjax import _bias, _compat, _constants, _pointwise, _readers, policy
-from mpjax._casting import F32, convert, dtype_of, fewer, is_concrete, size
+from mpjax._casting import F32, convert, dtype_of, is_concrete, size
 
-_PRODUCTS = frozenset({"dot_general", "ragged_dot_general", "conv_general_dilated"})
+_PRODUCTS = _bias.PRODUCTS
 SQUASHING = frozenset({"tanh", "logistic"})
 """The gate functions a bias add's sum is handed to in float32 (`find`): their
 backward pass keeps their result, not their operand."""
@@ -111,8 +111,10 @@ def _size(v) -> int:
     return size(v.aval)
 
 
-def find(jaxpr, passed=None) -> Fusions:
-    """The bias adds and pointwise functions of `jaxpr`; `passed`: `Context.passed`."""
+def find(jaxpr, passed=None, passed_tables=None) -> Fusions:
+    """The bias adds and pointwise functions of `jaxpr`; `passed`, `passed_tables`:
+    `Context`'s (in a loop body, a product takes a bias only where the caller's
+    parameters reach it: a chunk of keys scanned over is no layer's weight)."""
     eqns = jaxpr.eqns
     producer, readers = {}, defaultdict(list)
     for i, eqn in enumerate(eqns):
@@ -122,7 +124,9 @@ def find(jaxpr, passed=None) -> Fusions:
     for v in filter(_is_var, jaxpr.outvars):
         readers[v].append(_OUTPUT)
     args = arguments(jaxpr, passed)
-    bias_adds = {id(e): k for e in eqns if (k := _bias_product(e, eqns, producer, args)) is not None}
+    weights = args if passed_tables is None else arguments(jaxpr, passed_tables, joined=True)
+    found = ((e, _bias.bias_product(e, eqns, producer, weights)) for e in eqns)
+    bias_adds = {id(e): k for e, k in found if k is not None}
     adds = [e for e in eqns if id(e) in bias_adds]
     float32_sums = frozenset(
         id(e) for e in adds if _readers.read_by(e.outvars[0], eqns, readers, SQUASHING, _SUMS)
@@ -199,16 +203,8 @@ def _has_derivative(v) -> bool:
 
 
 def _broadcast_operands(eqn, eqns, producer) -> tuple:
-    found = ((k, _broadcast_from_fewer(v, eqns, producer)) for k, v in enumerate(eqn.invars))
+    found = ((k, _bias.broadcast_from_fewer(v, eqns, producer)) for k, v in enumerate(eqn.invars))
     return tuple((k, b) for k, b in found if b is not None)
-
-
-def _broadcast_from_fewer(v, eqns, producer):
-    """The ``broadcast_in_dim`` equation that made `v` from fewer elements, or None."""
-    made_by = eqns[producer[v]] if _is_var(v) and v in producer else None
-    if made_by is None or made_by.primitive.name != "broadcast_in_dim":
-        return None
-    return made_by if fewer(_size(made_by.invars[0]), _size(v)) else None
 
 
 def arguments(jaxpr, passed, joined: bool = False) -> frozenset:
@@ -232,25 +228,6 @@ def parameters(ctx, eqn, vals, among=None) -> list:
         x if dtype_of(x) == F32 and _is_var(v) and v in among else None
         for x, v in zip(vals, eqn.invars)
     ]
-
-
-def _bias_product(eqn, eqns, producer, args) -> int | None:
-    """Where the product is in `eqn`, an add of a parameter's product and its bias."""
-    if eqn.primitive.name != "add" or not all(map(_is_var, eqn.invars)):
-        return None
-    n = _size(eqn.outvars[0])
-    kinds = []
-    for v in eqn.invars:
-        made_by = eqns[producer[v]] if v in producer else None
-        if made_by is not None and made_by.primitive.name in _PRODUCTS and _size(v) == n:
-            # of a parameter (a layer's): what attention scores get (a mask) adds apart
-            weighted = any(w in args for w in filter(_is_var, made_by.invars[:2]))
-            kinds.append("product" if weighted else None)
-        elif fewer(_size(v), n) or _broadcast_from_fewer(v, eqns, producer) is not None:
-            kinds.append("bias")
-        else:
-            kinds.append(None)
-    return kinds.index("product") if sorted(kinds, key=str) == ["bias", "product"] else None
 
 
 def _pointwise_groups(eqns) -> dict:

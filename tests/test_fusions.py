@@ -249,6 +249,50 @@ def test_a_mask_given_as_an_argument_adds_to_attention_scores_in_float32(dtype):
     assert all(np.all(np.isfinite(d)) for d in g(x, wq, wk, padded))
 
 
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_a_padding_mask_added_to_scores_of_arguments_adds_in_float32(dtype):
+    # Attention autocast on its own: q and k are arguments, as a layer's weights
+    # are, but the [B, 1, 1, T] mask varies along the batch, not along the
+    # features a weight gives: no bias. The second example is all padding.
+    def f(q, k, mask):
+        return jax.nn.softmax(jnp.einsum("bhqd,bhkd->bhqk", q, k) + mask, axis=-1)
+
+    q, k = _w(2, 3, 4, 8, seed=1), _w(2, 3, 4, 8, seed=2)
+    mask = jnp.asarray([[0.0, 0.0, -1e9, -1e9], [-1e9] * 4], F32)[:, None, None, :]
+    got = mpjax.autocast(f, dtype=dtype)(q, k, mask)
+    np.testing.assert_allclose(got, f(q, k, mask), atol=2e-2)
+    np.testing.assert_array_equal(got[1], 0.25)  # uniform, as in float32
+    g = jax.grad(lambda *a: jnp.sum(mpjax.autocast(f, dtype=dtype)(*a)[..., 0] ** 2), (0, 1))
+    assert all(np.all(np.isfinite(d)) for d in g(q, k, mask))
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_a_mask_scanned_over_with_the_keys_adds_in_float32(dtype):
+    # Chunked attention: a scan over blocks of keys and their mask. In the body the
+    # block of keys is an input, but no parameter of the caller's reaches it: its
+    # scores take no bias, and a fully padded block stays finite.
+    x, wq, wk = _w(8, 16, seed=3), _w(16, 16), _w(16, 16, seed=1)
+    mask = jnp.where(jnp.arange(8) < 4, -1e9, 0.0).astype(F32)  # the first block padded
+
+    def f(x, wq, wk, mask):
+        q, k = x @ wq, (x @ wk).reshape(2, 4, 16)
+
+        def block(carry, kb_mb):
+            m, s = carry
+            scores = q @ kb_mb[0].T + kb_mb[1]
+            new = jnp.maximum(m, scores.max(-1))
+            return (new, s * jnp.exp(m - new) + jnp.exp(scores - new[:, None]).sum(-1)), None
+
+        init = (jnp.full(8, -jnp.inf), jnp.zeros(8))
+        (m, s), _ = jax.lax.scan(block, init, (k, mask.reshape(2, 4)))
+        return jnp.sum(m + jnp.log(s))  # the sum of the rows' logsumexps
+
+    got = jax.jit(mpjax.autocast(f, dtype=dtype))(x, wq, wk, mask)
+    np.testing.assert_allclose(got, f(x, wq, wk, mask), rtol=2e-2)
+    grads = jax.grad(mpjax.autocast(f, dtype=dtype), (1, 2))(x, wq, wk, mask)
+    assert all(np.all(np.isfinite(d)) for d in grads)
+
+
 def test_a_same_size_float32_operand_still_widens():
     f = mpjax.autocast(lambda x, w, y: x @ w + y, dtype=BF16)
     assert f(_w(4, 8), _w(8, 16), _w(4, 16)).dtype == F32
