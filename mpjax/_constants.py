@@ -214,12 +214,25 @@ def scales_fit(scope, vals, low) -> bool:
     lose precision as a weight's do, and unknown values are taken to fit."""
     for x in vals:
         known = values(scope, x) if policy.is_castable(dtype_of(x)) else None
-        if known is None:
-            continue
-        magnitude = np.abs(np.asarray(known, np.float64))
-        if not _holds(np.max(magnitude[np.isfinite(magnitude)], initial=0.0), low):
+        if known is not None and not _holds(largest(scope, known), low):
             return False
     return True
+
+
+def largest(scope, known) -> float:
+    """The largest finite magnitude of `known`, once per array and call: a large
+    constant (a frozen weight) read by many products, or in bodies traced twice,
+    would be read through at each. Arrays are told apart by their memory (a
+    body's closed-over jax.Array is a new NumPy view of it each time), which the
+    cache keeps alive, so that no other array takes it."""
+    while scope.parent is not None:
+        scope = scope.parent
+    known = np.asarray(known)
+    key = known.__array_interface__["data"][0], known.shape, known.strides, known.dtype
+    if key not in scope.magnitudes:
+        magnitude = np.abs(known.astype(np.float64))
+        scope.magnitudes[key] = known, float(np.max(magnitude[np.isfinite(magnitude)], initial=0.0))
+    return scope.magnitudes[key][1]
 
 
 def fill_fits(eqn, low) -> bool:

@@ -84,6 +84,7 @@ class Scope:
         self._accumulators: dict[int, tuple[Any, Any]] = {}
         self._remakes: dict[int, tuple[Any, Callable]] = {}
         self._constants: dict[int, tuple[Any, np.ndarray]] = {}
+        self.magnitudes: dict[tuple, tuple[np.ndarray, float]] = {}  # `_constants.largest`
 
     def record_constant(self, x, values) -> None:
         """Records the values a weak tracer `x` can take (`mpjax._constants`)."""
@@ -299,7 +300,7 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
         elsewhere = lambda eqn: region_of(eqn, ctx.region) != ctx.region  # noqa: E731
         only = policy.float32_only_consumers(jaxpr, ctx.float32_outputs, elsewhere)
         ctx = ctx._replace(float32_only=only, float32_outputs=frozenset())
-    fused = fusions.find(jaxpr, ctx.passed) if jaxpr.eqns else fusions.NONE
+    fused = fusions.find(jaxpr, ctx.passed, ctx.passed_tables) if jaxpr.eqns else fusions.NONE
     ctx = ctx._replace(
         passed=None,
         passed_tables=None,
