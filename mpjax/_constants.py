@@ -230,7 +230,8 @@ def largest(scope, known) -> float:
     known = np.asarray(known)
     key = known.__array_interface__["data"][0], known.shape, known.strides, known.dtype
     if key not in scope.magnitudes:
-        magnitude = np.abs(known.astype(np.float64))
+        wide = known if known.dtype.itemsize >= 4 else known.astype(np.float32)
+        magnitude = np.abs(wide)
         scope.magnitudes[key] = known, float(np.max(magnitude[np.isfinite(magnitude)], initial=0.0))
     return scope.magnitudes[key][1]
 
