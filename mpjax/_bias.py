@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from mpjax import _compat
@@ -31,14 +32,21 @@ from mpjax._casting import F32, convert, fewer, size
 PRODUCTS = frozenset({"dot_general", "ragged_dot_general", "conv_general_dilated"})
 
 
-def rounded_bias_add(add, operands, bias: int, low):
-    """``convert(add(*operands), low)`` at float32: a product (its float32
+def rounded_bias_add(operands, bias: int, low):
+    """``convert(operands[0] + operands[1], low)`` at float32: a product (its float32
     accumulator, or its 16-bit result) plus ``operands[bias]``, a float32 bias it
     broadcasts, the sum rounded to `low`. A 16-bit product's cotangent is the
     16-bit cotangent itself (widening, adding and rounding transpose to nothing)."""
+    return _rounded_bias_add(bias, np.dtype(low))(*operands)
+
+
+@functools.cache
+def _rounded_bias_add(bias: int, low):
+    """`rounded_bias_add` as one inlined jit per bias position and dtype: JAX traces
+    and differentiates it once per input types, not once per layer."""
 
     def mpjax_bias_add(*xs):  # the name marks it in jaxprs
-        return convert(add(*[convert(x, F32, False) for x in xs]), low, False)
+        return convert(lax.add(*[convert(x, F32, False) for x in xs]), low, False)
 
     custom = jax.custom_jvp(mpjax_bias_add)
 
@@ -66,7 +74,7 @@ def rounded_bias_add(add, operands, bias: int, low):
         return out, _compat.linear_call(forward, transposed, (), tuple(tangents[i] for i in live))
 
     custom.defjvp(jvp, symbolic_zeros=True)
-    return custom(*operands)
+    return _compat.inline_jit(custom)
 
 
 def _bias_gradient(ct, wide, shape):

@@ -310,10 +310,10 @@ def bias_add(ctx, eqn, vals):
         return None
     if not rounding:
         return _compat.bind(eqn, *args)
-    add = lambda *xs: _compat.bind(eqn, *xs)[0]  # noqa: E731
-    rounded = _bias.rounded_bias_add(add, args, bias, ctx.region.dtype)
+    rounded = _bias.rounded_bias_add(args, bias, ctx.region.dtype)
     # for a residual sum (`residual_operands`): the float32 sum, made if one asks
-    ctx.scope.keep_accumulator(rounded, lambda: add(*[convert(x, F32, False) for x in args]))
+    wide = lambda: [convert(x, F32, False) for x in args]  # noqa: E731
+    ctx.scope.keep_accumulator(rounded, lambda: _compat.bind(eqn, *wide())[0])
     return [rounded]
 
 
