@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from mpjax._float32 import reciprocal
+from mpjax._regions import SCALED
 from mpjax.scaler_state import _find_state, _value
 
 __all__ = ["scaled_value_and_grad"]
@@ -92,8 +93,8 @@ def scaled_value_and_grad(
 
     def wrapped(*args, **kwargs):
         transform = _value_and_grad_for(args, argnums, value_and_grad)
-        grad_fn = _transformed(transform, scaled_fun, argnums)
-        out = grad_fn(*args, **kwargs)
+        with jax.named_scope(SCALED):  # refused under autocast (`_regions.region_of`)
+            out = _transformed(transform, scaled_fun, argnums)(*args, **kwargs)
         if not (_pair(out) and _pair(out[0]) and _pair(out[0][1])):
             name = getattr(transform, "__qualname__", type(transform).__name__)
             raise TypeError(

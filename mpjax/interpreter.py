@@ -21,7 +21,6 @@ Three pieces of state travel through the evaluation:
 from __future__ import annotations
 
 import functools
-import re
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -37,36 +36,7 @@ from mpjax import first_order
 from mpjax import fusions
 from mpjax import policy
 from mpjax._casting import F32, convert, dtype_of
-
-_MARKER = "mpjax_autocast_"
-_MARKER_RE = re.compile(_MARKER + r"(off|float16|bfloat16)(_lean)?(_reduce_low)?")
-
-
-class Region(NamedTuple):
-    """The autocast setting in force: the low dtype (None when disabled), whether
-    the memory-lean policy is on, and whether products of float32 values round
-    their accumulator to the low dtype (``reduce_dtype=dtype``)."""
-
-    dtype: np.dtype | None
-    lean: bool = False
-    reduce_low: bool = False
-
-    @property
-    def scope_name(self) -> str:
-        if self.dtype is None:
-            return _MARKER + "off"
-        suffix = ("_lean" if self.lean else "") + ("_reduce_low" if self.reduce_low else "")
-        return _MARKER + self.dtype.name + suffix
-
-
-def region_of(eqn, outer: Region) -> Region:
-    """The region an equation was traced in: the innermost autocast scope."""
-    found = _MARKER_RE.findall(_compat.name_stack(eqn))
-    if not found:
-        return outer
-    dtype, lean, reduce_low = found[-1]
-    return Region(None if dtype == "off" else np.dtype(dtype), bool(lean), bool(reduce_low))
-
+from mpjax._regions import Region, region_of  # noqa: F401  (Region: autocast's)
 
 class Scope:
     """The casts made in one trace, so each value is cast to a dtype once.

@@ -12,6 +12,7 @@ correctly or stops at the first step with an error that names the fix.
 | a ``(loss, aux)`` loss without ``has_aux=True`` | ValueError naming ``has_aux=True`` |
 | a non-scalar loss | ValueError naming the shape and ``.mean()`` |
 | ``(aux, loss)`` returned with ``has_aux=True`` | ValueError: the loss comes first |
+| ``autocast`` around the whole training step, ``scaled_value_and_grad`` inside (torch's ``with autocast():`` block) | ValueError at the first trace: autocast the loss, not the step (autocast would round the backward pass's weight gradients to 16 bits) |
 | the scaler's state made by ``init`` on Linen's whole ``variables``, updated with the gradients of ``variables["params"]`` | ValueError naming the gradient outside every subtree and ``variables['params']`` |
 | an NNX module with the default ``value_and_grad`` | differentiated with ``nnx.value_and_grad`` |
 | Linen ``TrainState.apply_gradients`` on a skipped step | the recipe below keeps ``step`` (and so the schedule) where it was |
@@ -331,6 +332,27 @@ def test_a_gradient_transform_as_value_and_grad_names_the_fix(grad):
         r"value-and-gradient transform, as jax\.value_and_grad",
     ):
         mpjax.scaled_value_and_grad(loss_fn, state, value_and_grad=grad)(_params(), X, Y)
+
+
+def test_a_step_autocast_as_a_whole_with_the_scaler_inside_names_the_fix():
+    # The backward pass jax.value_and_grad writes would run under autocast too:
+    # its weight-gradient products rounded to float16, where scaled they overflow.
+    params = _params()
+    tx = mpjax.grad_scaler(optax.adam(1e-3))
+
+    def step(params, state, x, y):
+        _, grads = mpjax.scaled_value_and_grad(loss_fn, state)(params, x, y)
+        updates, state = mpjax.autocast(tx.update, enabled=False)(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for whole in (mpjax.autocast(step), jax.jit(mpjax.autocast(step, dtype=jnp.bfloat16))):
+        with pytest.raises(ValueError, match=r"Autocast the loss, not the step: "
+                           r"scaled_value_and_grad\(mpjax\.autocast\(loss_fn\)"):  # fmt: skip
+            whole(params, tx.init(params), X, Y)
+    # In a region autocast is off for, the step runs as written.
+    outer = mpjax.autocast(lambda *a: mpjax.autocast(step, enabled=False)(*a))
+    _, state = outer(params, tx.init(params), X, Y)
+    assert not bool(state.last_step_skipped)
 
 
 def test_scaled_value_and_grad_refuses_a_non_callable():
