@@ -91,6 +91,7 @@ def call_with_state(call, fun, args, kwargs):
     with nnx.update_context(tag):
         with nnx.split_context(tag) as ctx:
             graphdef, state = ctx.split([leaves[i] for i in where])
+        _check_no_refs(state)
 
         def pure(state, other_leaves):
             with nnx.merge_context(tag, inner=True) as ctx:
@@ -114,6 +115,18 @@ def call_with_state(call, fun, args, kwargs):
             with nnx.merge_context(tag, inner=False) as ctx:
                 ctx.merge(new_graphdef, new_state)
     return _unmarked(out, [leaves[i] for i in where])
+
+
+def _check_no_refs(state) -> None:
+    """A TypeError for Variables backed by `jax.Ref`s: NNX's merge inside the trace
+    gives them refs of the trace's own, and what the call writes is lost."""
+    if any(isinstance(x, jax.Ref) for x in jax.tree.leaves(state)):
+        raise TypeError(
+            "autocast: an NNX module among the arguments holds Variables backed by jax "
+            "Refs (made under nnx.var_defaults(ref=True)). autocast cannot carry back "
+            "what a call writes to them (BatchNorm statistics, a decode cache), which "
+            "would be lost silently. Make the module without ref=True (the default)."
+        )
 
 
 def _marked(out, nodes):

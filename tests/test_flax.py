@@ -376,19 +376,28 @@ def test_nnx_optimizer_with_scaler_under_autocast(low, scaler):
 
 
 def test_nnx_whole_train_step_under_autocast():
-    """The module and the nnx.Optimizer both pass through autocast: every update kept."""
+    """The module and the nnx.Optimizer both pass through autocast: every update kept.
+    (With plain gradients: `scaled_value_and_grad` inside autocast is refused.)"""
     reference, model = make_net(), make_net()
     ref_opt = nnx.Optimizer(reference, mpjax.noop_scaler(optax.adam(1e-2)), wrt=nnx.Param)
     opt = nnx.Optimizer(model, mpjax.grad_scaler(optax.adam(1e-2)), wrt=nnx.Param)
     before = dtypes(nnx.state(opt))
 
     def train_step(model, optimizer, x, y):
+        value, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+        optimizer.update(model, grads)
+        return value
+
+    def scaled_step(model, optimizer, x, y):
         value, grads = mpjax.scaled_value_and_grad(
             loss_fn, optimizer.opt_state, value_and_grad=nnx.value_and_grad
         )(model, x, y)
         optimizer.update(model, grads)
         return value
 
+    with pytest.raises(ValueError, match="Autocast the loss, not the step"):
+        nnx.jit(mpjax.autocast(scaled_step))(model, opt, *next(iter(batches(1))))
+    assert int(opt.step[...]) == 0 and int(model.calls[...]) == 0  # nothing written
     fast, slow = nnx.jit(mpjax.autocast(train_step)), nnx.jit(train_step)
     for x, y in batches(3):
         np.testing.assert_allclose(
@@ -630,3 +639,13 @@ def test_a_layer_of_an_nnx_list_and_plain_values_come_back_as_returned():
     assert bn is model.layers[1] and kernel is model.layers[0].kernel
     assert aux == {"train": True, "n": 4} and aux["train"] is True
     assert float(jnp.abs(model.layers[1].mean[...]).sum()) > 0
+
+
+def test_an_nnx_module_of_ref_backed_variables_is_refused_not_left_unwritten():
+    # NNX's merge inside autocast's trace gives such Variables refs of the trace's
+    # own: BatchNorm's statistics would silently keep their old values.
+    with nnx.var_defaults(ref=True):
+        bn = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"nnx\.var_defaults\(ref=True\).*without ref=True"):
+        mpjax.autocast(lambda m, x: m(x))(bn, jnp.ones((2, 4)))
+    assert float(jnp.abs(bn.mean[...]).max()) == 0.0
