@@ -10,6 +10,7 @@ that use it are in `mpjax.scaler`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
@@ -70,7 +71,7 @@ def _accumulate(inner, config: ScalerConfig, grads, state, params, extra):
     # would. Written as the product XLA turns a division by a constant into, so
     # the result is the same on every backend.
     weight = 1.0 / k if config.accumulation == "mean" else 1.0
-    check_accumulable(grads, state.grad_accumulator, k, config.name)
+    _subtrees.check_accumulable(grads, state.grad_accumulator, k, config.name)
     total = jax.tree.map(
         lambda acc, g: (
             acc + g.astype(acc.dtype) * jnp.asarray(weight, acc.dtype)
@@ -103,36 +104,6 @@ def _accumulate(inner, config: ScalerConfig, grads, state, params, extra):
     )
 
 
-def check_accumulable(grads, accumulator, k: int, name: str = "grad_scaler") -> None:
-    """An error naming the fix unless `grads` is shaped as `accumulator`, made at
-    init (a TypeError for a state made without accumulation)."""
-    where = f"{name} update with accumulation_steps={k}"
-    if isinstance(accumulator, optax.EmptyState):
-        raise TypeError(
-            f"{where}: the state was made by a scaler without accumulation (its "
-            "grad_accumulator is empty). Make the state with this transformation's "
-            "init, or restore the checkpoint with the accumulation_steps it was saved with."
-        )
-    got, want = jax.tree.structure(grads), jax.tree.structure(accumulator)
-    if got != want:
-        raise ValueError(
-            f"{where}: the gradients are not structured as the parameters given to "
-            f"init, for which the accumulator was made.\n  gradients: {got}\n  "
-            f"accumulator: {want}\nPass init the parameters the gradients are taken of."
-        )
-    for (path, g), a in zip(
-        jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(accumulator)
-    ):
-        if jnp.shape(g) != jnp.shape(a):
-            raise ValueError(
-                f"{where}: the gradient at {jax.tree_util.keystr(path) or '<root>'} has "
-                f"shape {jnp.shape(g)}, its accumulator (the parameter's) {jnp.shape(a)}: "
-                "gradients are summed over micro-batches only when shaped as their "
-                "parameters (per-example gradients would be added example by example "
-                "across micro-batches). Reduce them to the parameters' shapes first."
-            )
-
-
 def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
     """One effective step on the gradients of the loss: check, skip or apply, rescale.
 
@@ -151,10 +122,13 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
         scale=_select(fresh, jnp.float32(config.init_scale), state.scale),
         growth_tracker=jnp.maximum(state.growth_tracker, 0),
     )
-    traced = _skip.trace_update(inner, grads, state.inner_state, params, extra)
-    nonfinite, nonfinite_subtrees = _nonfinite_flags(
-        config, grads, state.nonfinite_subtrees, state.scale, _skip.read_gradients(traced, grads)
-    )
+    eager = not any(_compat.is_tracer(x) for x in jax.tree.leaves((grads, state, params, extra)))
+    traced, read = _skip.traced_for_check(inner, grads, state.inner_state, params, extra, eager)
+    flags = functools.partial(_nonfinite_flags, config, grads, state.nonfinite_subtrees)
+    nonfinite, nonfinite_subtrees = flags(state.scale, read)
+    if eager and bool(nonfinite):  # is the non-finite gradient read?
+        read = _skip.read_eagerly(inner, grads, state.inner_state, params, extra)
+        nonfinite, nonfinite_subtrees = flags(state.scale, read)
     if not _compat.is_tracer(nonfinite):
         # Eagerly (jax_debug_nans checks each operation) inner runs on zeros; under
         # jit, where a select in front changed XLA's rounding of inner, as they are.
@@ -281,7 +255,7 @@ def _nonfinite_flags(config: ScalerConfig, tree, subtrees, scale, read=None):
     state's: inside shard_map, a check that varies where it does not needs
     ``axis_name``.
     """
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    flat = _subtrees.named_leaves(tree)
     read = [True] * len(flat) if read is None else read
     flat = [(path, x) for (path, x), r in zip(flat, read, strict=True) if r and _finite.inexact(x)]
     flags, order, nonfinite = _finite.leaf_flags([x for _, x in flat])

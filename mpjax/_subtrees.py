@@ -1,8 +1,8 @@
 """The parameter subtrees that `GradScalerState.nonfinite_subtrees` names.
 
 Names are made at init from the parameters and matched at each update against the
-gradients' paths, so both are read the same way: without the ``.value`` of a
-`flax.nnx.Variable` (an ``nnx.Optimizer`` inits on Variables and updates with
+gradients' paths, so both are read the same way: a `flax.nnx.Variable`'s array by
+the Variable's path (an ``nnx.Optimizer`` inits on Variables and updates with
 their arrays), and for optax.lookahead's `LookaheadParams` from the fast
 parameters, whose gradients its update takes.
 """
@@ -10,6 +10,7 @@ parameters, whose gradients its update takes.
 from __future__ import annotations
 
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -40,23 +41,34 @@ def gradient_shaped(params):
 def subtree_names(params) -> list[str]:
     """The paths of the parameter subtrees `GradScalerState.nonfinite_subtrees` keys."""
     params = gradient_shaped(params)
-    flat, _ = jax.tree_util.tree_flatten_with_path(params)
     levels = depth(params)
-    return sorted({name(path, levels) for path, x in flat if _finite.inexact(x)})
+    return sorted({name(path, levels) for path, x in named_leaves(params) if _finite.inexact(x)})
+
+
+def named_leaves(tree) -> list:
+    """``tree_flatten_with_path(tree)[0]``, with a `flax.nnx.Variable`'s leaves named
+    by the Variable's path: an ``nnx.Optimizer`` inits on Variables and updates
+    with their arrays. (A field of the user's own named ``value`` keeps its name.)"""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)[0]
+    return [
+        (path, leaf)
+        for path, x in flat
+        for leaf in (jax.tree.leaves(x) if _is_variable(x) else [x])
+    ]
 
 
 def depth(tree) -> int:
     """1, or 2 when the top has a single entry (Linen's ``{"params": ...}``)."""
     top = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)[0]
-    if len(top) != 1 or not top[0][0]:
+    if len(top) != 1 or not top[0][0] or _is_variable(top[0][1]):
         return 1
-    below = jax.tree_util.tree_flatten_with_path(top[0][1])[0]
-    return 2 if below and all(_named(path) for path, _ in below) else 1
+    below = named_leaves(top[0][1])
+    return 2 if below and all(path for path, _ in below) else 1
 
 
 def name(path, levels: int) -> str:
     """The name of the subtree holding the leaf at `path`, `levels` deep."""
-    return jax.tree_util.keystr(_named(path)[:levels]) or "<root>"
+    return jax.tree_util.keystr(tuple(path)[:levels]) or "<root>"
 
 
 def check_named(fn: str, names, paths, segments) -> None:
@@ -74,12 +86,39 @@ def check_named(fn: str, names, paths, segments) -> None:
             )
 
 
-def _named(path) -> tuple:
-    """A leaf's path without the ``.value`` of the `flax.nnx.Variable` holding it:
-    an ``nnx.Optimizer`` inits on Variables and updates with their arrays."""
-    return tuple(
-        k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")
-    )
+def check_accumulable(grads, accumulator, k: int, name: str = "grad_scaler") -> None:
+    """An error naming the fix unless `grads` is shaped as `accumulator`, made at
+    init (a TypeError for a state made without accumulation)."""
+    where = f"{name} update with accumulation_steps={k}"
+    if isinstance(accumulator, optax.EmptyState):
+        raise TypeError(
+            f"{where}: the state was made by a scaler without accumulation (its "
+            "grad_accumulator is empty). Make the state with this transformation's "
+            "init, or restore the checkpoint with the accumulation_steps it was saved with."
+        )
+    got, want = jax.tree.structure(grads), jax.tree.structure(accumulator)
+    if got != want:
+        raise ValueError(
+            f"{where}: the gradients are not structured as the parameters given to "
+            f"init, for which the accumulator was made.\n  gradients: {got}\n  "
+            f"accumulator: {want}\nPass init the parameters the gradients are taken of."
+        )
+    for (path, g), a in zip(
+        jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(accumulator)
+    ):
+        if jnp.shape(g) != jnp.shape(a):
+            raise ValueError(
+                f"{where}: the gradient at {jax.tree_util.keystr(path) or '<root>'} has "
+                f"shape {jnp.shape(g)}, its accumulator (the parameter's) {jnp.shape(a)}: "
+                "gradients are summed over micro-batches only when shaped as their "
+                "parameters (per-example gradients would be added example by example "
+                "across micro-batches). Reduce them to the parameters' shapes first."
+            )
+
+
+def _is_variable(x) -> bool:
+    nnx = sys.modules.get("flax.nnx")  # no Variable exists unless Flax NNX is imported
+    return nnx is not None and isinstance(x, nnx.Variable)
 
 
 def _register_export_serialization() -> None:

@@ -122,6 +122,68 @@ def test_an_nnx_optimizer_over_one_variable_names_its_subtree():
     assert {k: bool(v) for k, v in stats["nonfinite_subtrees"].items()} == {"['w']": True}
 
 
+def test_a_parameter_field_named_value_is_a_subtree_of_its_own():
+    # Only an nnx.Variable's `.value` is left out of a subtree's name: a field of
+    # the user's own named `value` (attention's query, key and value) is one.
+    class Attention(NamedTuple):
+        query: jax.Array
+        key: jax.Array
+        value: jax.Array
+
+    params = Attention(jnp.ones(2), jnp.ones(2), jnp.ones(2))
+    tx = grad_scaler(optax.sgd(0.1))
+    grads = Attention(jnp.ones(2), jnp.ones(2), jnp.array([1.0, jnp.inf]))
+    _, state = tx.update(grads, tx.init(params), params)
+    flags = {k: bool(v) for k, v in scaler_stats(state)["nonfinite_subtrees"].items()}
+    assert flags == {".key": False, ".query": False, ".value": True}
+
+
+def test_an_nnx_state_of_variables_names_the_parameters_not_their_value():
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    tx = grad_scaler(optax.sgd(0.1))
+    state = tx.init(params)
+    grads = jax.tree.map(lambda p: jnp.full_like(p, jnp.inf), params)
+    grads["bias"] = jax.tree.map(jnp.ones_like, params["bias"])
+    _, state = tx.update(grads, state, params)
+    flags = {k: bool(v) for k, v in scaler_stats(state)["nonfinite_subtrees"].items()}
+    assert flags == {"['bias']": False, "['kernel']": True}
+
+
+def _eager_only_schedule(count):
+    return 0.1 if count < 2 else 0.01  # Python control flow: fine eagerly, not under jit
+
+
+@pytest.mark.parametrize("bad", [False, True], ids=["finite", "nonfinite"])
+def test_an_eager_update_runs_the_optimizer_once_as_written(bad):
+    # Called without jit, the wrapped optimizer runs as it does bare: a schedule
+    # with Python control flow works, and host-side code runs once per update.
+    # (A step with a non-finite gradient traces it, to tell which gradients it
+    # reads; where it cannot be traced, every gradient counts.)
+    seen = []
+
+    def log(updates, state, params=None):
+        seen.append(optax.tree.norm(updates))
+        return updates, state
+
+    inner = optax.chain(
+        optax.GradientTransformation(lambda p: optax.EmptyState(), log),
+        optax.sgd(_eager_only_schedule),
+    )
+    bare, tx = inner, grad_scaler(inner)
+    bare_state, state = bare.init(PARAMS), tx.init(PARAMS)
+    for step in range(4):
+        skip = bad and step == 1
+        grads = {"w": jnp.array([1.0, jnp.inf if skip else 2.0, 3.0])}
+        updates, state = tx.update(grads, state, PARAMS)
+        if not skip:  # (a skipped step leaves the schedule's count where it was)
+            expected, bare_state = bare.update(grads, bare_state, PARAMS)
+            chex.assert_trees_all_equal(updates, expected)
+    assert int(scaler_stats(state)["skipped_steps"]) == int(bad)
+    if not bad:
+        assert len(seen) == 8 and not any(isinstance(x, jax.core.Tracer) for x in seen)
+
+
 def _lookahead(**kwargs):
     params = optax.LookaheadParams.init_synced({"w": jnp.ones(3), "b": jnp.zeros(2)})
     inner = optax.lookahead(optax.adam(1e-3), sync_period=2, slow_step_size=0.5)
