@@ -39,10 +39,7 @@ POLICIES = ("torch", "lean")
 
 
 def _check_dtype(dtype) -> np.dtype:
-    try:
-        resolved = np.dtype(dtype)
-    except TypeError:
-        resolved = None
+    resolved = policy.dtype_named(dtype)
     if resolved not in policy.LOW_DTYPES:
         raise ValueError(
             f"autocast(dtype={dtype!r}): dtype must be jnp.float16 or jnp.bfloat16, "
@@ -54,10 +51,7 @@ def _check_dtype(dtype) -> np.dtype:
 
 def _check_reduce_dtype(reduce_dtype, low: np.dtype) -> bool:
     """Validates `reduce_dtype`; returns whether gradients are summed in `low`."""
-    try:
-        resolved = None if reduce_dtype is None else np.dtype(reduce_dtype)
-    except TypeError:
-        resolved = None
+    resolved = None if reduce_dtype is None else policy.dtype_named(reduce_dtype)
     if resolved not in (F32, low):
         raise ValueError(
             f"autocast(reduce_dtype={reduce_dtype!r}): reduce_dtype must be jnp.float32 "
@@ -174,7 +168,10 @@ def _check_options(dtype, enabled, policy, reduce_dtype) -> tuple[np.dtype, bool
     """Validates autocast's keyword arguments; returns the low dtype and `reduce_low`."""
     if not isinstance(enabled, (bool, np.bool_)):
         raise TypeError(f"autocast(enabled={enabled!r}): enabled must be a Python bool.")
-    low = _check_dtype(dtype)
+    # torch's autocast(dtype=float32, enabled=False): a disabled region runs as
+    # written, which is what float32 says too.
+    float32_off = not enabled and policy_module.dtype_named(dtype) == F32
+    low = np.dtype(jnp.float16) if float32_off else _check_dtype(dtype)
     if policy not in POLICIES:
         raise ValueError(f"autocast(policy={policy!r}): policy must be one of {POLICIES}.")
     return low, _check_reduce_dtype(reduce_dtype, low)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpjax import _nnx
+from mpjax import policy as policy_module
 from mpjax._autocast import POLICIES
 from mpjax._marks import original_of
 from mpjax._float32 import MAX_F32, MIN_NORMAL_F32
@@ -34,10 +35,8 @@ def check_options(loss_fn, dtype, has_aux, policy) -> list[str]:
         raise ValueError(f"diagnose(policy={policy!r}): policy must be one of {POLICIES}.")
     if isinstance(dtype, str) and dtype == "both":
         return ["float16", "bfloat16"]
-    try:
-        name = np.dtype(dtype).name
-    except TypeError:
-        name = None
+    resolved = policy_module.dtype_named(dtype)
+    name = None if resolved is None else resolved.name
     if name not in DTYPES:
         raise ValueError(
             f"diagnose(dtype={dtype!r}): dtype must be jnp.float16, jnp.bfloat16 or "

@@ -215,16 +215,28 @@ LOW_DTYPES = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16))
 
 # torch's names for what JAX traces as other primitives: `rule_for` points to them
 # rather than answer ORIGINAL, which would read as "torch's matmul is not cast".
+_TRACED = "the primitives JAX traces it to (mpjax.audit lists them)"
+# torch's CUDA autocast op lists, each name with the JAX primitive to look up.
 _TORCH_NAMES = {
-    **dict.fromkeys(("matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm", "linear",
-                     "einsum", "dot", "mv", "chain_matmul", "prelu"), "dot_general"),
-    **dict.fromkeys(("conv1d", "conv2d", "conv3d", "conv_transpose1d",
-                     "conv_transpose2d", "conv_transpose3d", "convolution"),
-                    "conv_general_dilated"),
-    **dict.fromkeys(("softmax", "log_softmax", "layer_norm", "group_norm", "batch_norm",
-                     "mse_loss", "cross_entropy", "nll_loss", "norm"),
-                    "the primitives JAX traces it to (mpjax.audit lists them)"),
-    "sum": "reduce_sum", "mean": "reduce_sum", "sigmoid": "logistic",
+    **dict.fromkeys(("matmul", "__matmul__", "mm", "bmm", "addmm", "addbmm", "baddbmm",
+                     "addmv", "addr", "linear", "einsum", "dot", "mv", "chain_matmul",
+                     "multi_dot", "tensordot", "bilinear", "GRUCell", "LSTMCell", "RNNCell"),
+                    "dot_general"),
+    **dict.fromkeys(("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                     "conv_transpose3d", "convolution", "conv_tbc"), "conv_general_dilated"),
+    **dict.fromkeys(("softmax", "log_softmax", "softmin", "softplus", "layer_norm",
+                     "group_norm", "batch_norm", "norm", "normalize", "renorm", "dist",
+                     "cdist", "pdist", "cosine_similarity", "mse_loss", "cross_entropy",
+                     "nll_loss", "l1_loss", "smooth_l1_loss", "kl_div", "poisson_nll_loss",
+                     "binary_cross_entropy_with_logits", "cosine_embedding_loss",
+                     "hinge_embedding_loss", "margin_ranking_loss", "multilabel_margin_loss",
+                     "multi_margin_loss", "soft_margin_loss", "triplet_margin_loss", "prelu",
+                     "addcdiv", "addcmul", "cross", "grid_sample"), _TRACED),
+    **dict.fromkeys(("__pow__", "__rpow__"), "pow"),
+    **dict.fromkeys(("reciprocal", "__rdiv__", "__rtruediv__"), "integer_pow"),
+    "sum": "reduce_sum", "mean": "reduce_sum", "prod": "reduce_prod", "sigmoid": "logistic",
+    "erfinv": "erf_inv", "log10": "log", "index_put": "scatter", "scatter_add": "scatter-add",
+    "cat": "concatenate", "equal": "eq",
 }  # fmt: skip
 
 
@@ -234,8 +246,9 @@ def rule_for(primitive_name: str, lean: bool = False) -> Rule:
     Args:
       primitive_name: e.g. ``"dot_general"``, as ``eqn.primitive.name`` gives it
         (or the primitive itself, ``jax.lax.dot_general_p``). Names are JAX's
-        primitives', not torch's: an unknown name runs as written, and torch's
-        names for other primitives (``"matmul"``, ``"conv2d"``) raise ValueError.
+        primitives', not torch's: an unknown name runs as written, and a name on
+        torch's autocast op lists that is no JAX primitive's (``"matmul"``,
+        ``"conv2d"``, ``"softplus"``) raises ValueError naming what to look up.
       lean: the rule under ``autocast(..., policy="lean")``.
 
     Examples:
@@ -297,6 +310,19 @@ def _vector_dots(eqn) -> bool:
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
     lhs, rhs = (v.aval.ndim for v in eqn.invars[:2])
     return len(lhs_contract) + len(lhs_batch) == lhs and len(rhs_contract) + len(rhs_batch) == rhs
+
+
+def dtype_named(spec) -> np.dtype | None:
+    """The dtype `spec` names (a dtype, its scalar type, or its name), or None.
+
+    A tuple or list is none: NumPy reads ``(float16, bfloat16)`` as a float16
+    sub-array type, which would run one dtype where two were asked for."""
+    if isinstance(spec, (tuple, list, dict)):
+        return None
+    try:
+        return np.dtype(spec)
+    except TypeError:
+        return None
 
 
 def is_castable(dtype) -> bool:

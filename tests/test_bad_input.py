@@ -15,7 +15,7 @@ remaining inputs.
 | ``fun`` returning non-arrays beside arrays (a string tag)        | handed back as returned, as without autocast |
 | an array used as a shape or slice bound                          | JAX's error, naming ``fun`` (not an mpjax wrapper), with mpjax's note on static arguments |
 | ``audit(3)``, ``audit(array)``                                   | TypeError: "audit(fun, ...): fun must be callable, got int" |
-| ``autocast(f, dtype=jnp.int8 / jnp.float64 / jnp.float32 / "half-ish")``, and as ``@autocast(dtype=...)`` | ValueError at wrap time naming ``dtype``, the two valid dtypes, and ``enabled=False`` for float32 regions; dtype names ``"float16"``, ``"bfloat16"`` are accepted |
+| ``autocast(f, dtype=jnp.int8 / jnp.float64 / jnp.float32 / "half-ish")``, and as ``@autocast(dtype=...)`` | ValueError at wrap time naming ``dtype``, the two valid dtypes, and ``enabled=False`` for float32 regions; dtype names ``"float16"``, ``"bfloat16"`` are accepted; a tuple or list of dtypes is refused (NumPy would read it as its first), by ``diagnose`` too; ``dtype=jnp.float32`` with ``enabled=False`` is accepted (both say "as written") |
 | ``autocast(f, reduce_dtype=...)`` other than ``jnp.float32`` or the autocast dtype (``None``, bfloat16 under float16, float64, int8, an unknown name), and as ``@autocast(reduce_dtype=...)`` | ValueError at wrap time naming ``reduce_dtype`` and its two choices, with what each does |
 | Python bool / int / float / str arguments (positional, keyword, inside pytrees) | passed to ``fun`` unchanged, as Python objects: they may steer control flow and shapes; ``jax.jit(..., static_argnames=...)`` around autocast works |
 | a JAX array (or a NumPy scalar, which counts as an array) in Python control flow: ``if x``, ``range(n)``, ``float(x)`` | JAX's error, with mpjax's note: "Pass such flags as Python bools or ints ..., close over them, or use lax.cond / jnp.where" |
@@ -29,7 +29,7 @@ remaining inputs.
 | ``set_scale(state, None / "1024" / True / [2.0])``                 | TypeError naming ``new_scale`` |
 | ``with autocast():`` (torch's spelling)                            | TypeError: autocast is a function transform, not a context manager, and how to wrap |
 | ``rule_for(42)``; ``rule_for(jax.lax.exp_p)``                        | TypeError naming ``primitive_name``; a primitive is read by its name |
-| ``rule_for("matmul")``, ``rule_for("conv2d")``, ``rule_for("softmax")`` (torch's names) | ValueError naming the JAX primitive to look up instead of answering ORIGINAL |
+| ``rule_for("matmul")``, ``rule_for("conv2d")``, ``rule_for("softplus")``: any name on torch's CUDA autocast op lists that is no JAX primitive's | ValueError naming the JAX primitive to look up instead of answering ORIGINAL |
 | ``autocast(LinenModel)`` (a class) | TypeError at wrap time: autocast ``model.apply`` |
 | ``autocast(LinenModel())`` unbound, a module bound with ``mutable=`` whose call writes a collection | TypeError when called: autocast ``model.apply`` (a call Flax can run unbound, or one that writes nothing, runs) |
 | ``static_scaler``'s init on float16 parameters, its update on a wrong state | the errors name ``static_scaler``, not ``grad_scaler`` |
@@ -239,6 +239,28 @@ def test_bad_dtype_names_the_valid_ones_and_the_float32_route(dtype):
         ) as info:
             make()
         assert "autocast(fun, enabled=False)" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "dtype", [(jnp.float16, jnp.bfloat16), ("bfloat16", "float16"), [jnp.float16], {"a": 1}]
+)
+def test_a_collection_of_dtypes_is_refused_not_read_as_its_first(dtype):
+    # NumPy reads (float16, bfloat16) as a float16 sub-array type: taken for its
+    # base, it ran one dtype where the user asked for two.
+    with pytest.raises(ValueError, match=r"autocast\(dtype=.*\): dtype must be jnp\.float16"):
+        mpjax.autocast(lambda x: x, dtype=dtype)
+    with pytest.raises(ValueError, match=r"diagnose\(dtype=.*\): dtype must be .*\"both\""):
+        mpjax.diagnose(lambda w, x: jnp.sum(x @ w), jnp.ones((4, 2)), jnp.ones((3, 4)), dtype=dtype)
+
+
+def test_a_disabled_region_takes_float32_as_its_dtype():
+    # torch's autocast(dtype=torch.float32, enabled=False): both say "as written".
+    x = jnp.ones((2, 2))
+    f = mpjax.autocast(lambda a: a @ a, dtype=jnp.float32, enabled=False)
+    report = mpjax.audit(f, x)
+    assert [e.in_dtypes for e in report.find("dot_general")] == [("float32", "float32")]
+    with pytest.raises(ValueError, match=r"autocast\(dtype=.*int8.*\): dtype must be"):
+        mpjax.autocast(lambda a: a, dtype=jnp.int8, enabled=False)
 
 
 @pytest.mark.parametrize("reduce_dtype", [jnp.bfloat16, jnp.float64, jnp.int8, "quarter", None])
@@ -607,6 +629,33 @@ def test_rule_for_takes_a_name_or_a_primitive():
 def test_rule_for_a_torch_name_points_to_the_jax_primitive(name, primitive):
     with pytest.raises(ValueError, match=rf"rule_for\('{name}'\): .*torch's name.*{primitive}"):
         mpjax.rule_for(name)
+
+
+# torch's CUDA autocast op lists, as its documentation gives them.
+_TORCH_LOW = """__matmul__ addbmm addmm addmv addr baddbmm bmm chain_matmul multi_dot conv1d
+    conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d GRUCell linear LSTMCell
+    matmul mm mv prelu RNNCell""".split()
+_TORCH_FLOAT32 = """__pow__ __rdiv__ __rpow__ __rtruediv__ acos asin
+    binary_cross_entropy_with_logits cosh cosine_embedding_loss cdist cosine_similarity
+    cross_entropy cumprod cumsum dist erfinv exp expm1 group_norm hinge_embedding_loss kl_div
+    l1_loss layer_norm log log_softmax log10 log1p log2 margin_ranking_loss mse_loss
+    multilabel_margin_loss multi_margin_loss nll_loss norm normalize pdist poisson_nll_loss pow
+    prod reciprocal rsqrt sinh smooth_l1_loss soft_margin_loss softmax softmin softplus sum
+    renorm tan triplet_margin_loss""".split()
+_TORCH_WIDEST = "addcdiv addcmul atan2 bilinear cross dot grid_sample index_put scatter_add tensordot"
+
+
+@pytest.mark.parametrize("name", _TORCH_LOW + _TORCH_FLOAT32 + _TORCH_WIDEST.split())
+def test_rule_for_answers_no_name_on_torchs_lists_with_runs_as_written(name):
+    # ORIGINAL for "addmv" or "softplus" would read as "autocast leaves it alone",
+    # where it runs a 16-bit product or in float32: a name JAX has no primitive of
+    # points to the primitives to look up; one it has (exp, cumsum) is answered.
+    try:
+        rule = mpjax.rule_for(name)
+    except ValueError as e:
+        assert f"rule_for({name!r}): {name!r} is torch's name" in str(e)
+    else:
+        assert rule is not mpjax.Rule.ORIGINAL
 
 
 def test_a_linen_module_as_the_function_points_to_its_apply():
