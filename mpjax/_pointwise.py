@@ -180,7 +180,9 @@ def by_constant(scope, eqn, vals, targets, weak, lean=False):
     float16, 2**-8 in bfloat16), a bias averaging keeps. So is a constant whose
     values autocast cannot know, where it has fewer elements than `x` (under the
     `lean` policy too, which rounds a known constant as Flax's ``dtype=`` does). None
-    otherwise."""
+    otherwise. A divisor counts as held where its reciprocal is too: XLA divides
+    by a constant as a product with its reciprocal, rounded to the dtype (x / 3
+    in float16 is x * 0.33325)."""
     name = eqn.primitive.name
     if name not in _KEEPS_OPERANDS or len(vals) != 2 or weak[0] == weak[1]:
         return None
@@ -197,9 +199,15 @@ def by_constant(scope, eqn, vals, targets, weak, lean=False):
         # which would saturate it silently.
         if not fewer(size(vals[1 - i]), size(vals[i])):
             return None
-    elif lean or np.array_equal(
-        (c := np.asarray(known, F32)).astype(low).astype(F32), c, equal_nan=True
-    ):
+    elif lean or _held(np.asarray(known, F32), low, name == "div"):
         return None  # held exactly: a power of two, a small integer
     args = [convert(vals[i], F32, False), convert(vals[1 - i], F32, False)]
     return [convert(o, low, False) for o in _compat.bind(eqn, *(args if i == 0 else args[::-1]))]
+
+
+def _held(c: np.ndarray, low, divisor: bool) -> bool:
+    """Whether `low` holds every value of `c` exactly (and, for a divisor, its
+    reciprocal: a power of two)."""
+    with np.errstate(divide="ignore"):
+        values = (c, np.float32(1) / c) if divisor else (c,)
+    return all(np.array_equal(v.astype(low).astype(F32), v, equal_nan=True) for v in values)

@@ -1580,6 +1580,29 @@ def test_a_factor_16_bits_hold_only_rounded_multiplies_in_float32(low, c):
         chex.assert_trees_all_equal(got[normal], f(w.astype(low), x.astype(low))[normal])
 
 
+@pytest.mark.parametrize("c", [3, 10, 7.0])
+def test_a_divisor_whose_reciprocal_16_bits_hold_only_rounded_divides_in_float32(low, c):
+    # 3 is held exactly, but XLA divides by a constant as a product with its
+    # reciprocal, rounded to the operand's dtype: 1/3 as 0.33325 in float16, a
+    # relative bias of -2.5e-4 on every element. In float32 the quotient is
+    # rounded once, as torch divides a 16-bit tensor by a Python scalar.
+    w = jax.random.normal(jax.random.key(0), (64, 256)) / 8
+    x = jax.random.normal(jax.random.key(1), (32, 64))
+    product = mpjax.autocast(lambda w, x: x @ w, dtype=low)
+    f = mpjax.autocast(lambda w, x: (x @ w) / c, dtype=low)
+    (div,) = [e for e in all_eqns(jax.make_jaxpr(f)(w, x)) if e.primitive.name == "div"]
+    assert div.outvars[0].aval.dtype == F32
+    # (Jitted, XLA:CPU may keep a bfloat16 product's float32 result: each against its own.)
+    for run in (lambda g: g, jax.jit):
+        h = np.asarray(run(product)(w, x).astype(F32), np.float64)
+        got = np.asarray(run(f)(w, x).astype(F32), np.float64)
+        normal = np.abs(got) >= jnp.finfo(low).smallest_normal
+        once = (h / c).astype(low).astype(np.float64)
+        assert np.mean(got[normal] == once[normal]) > 0.999
+        bias = [np.mean(y[normal] / (h[normal] / c) - 1) for y in (got, once)]
+        assert abs(bias[0] - bias[1]) < 1e-5, bias  # by a rounded 1/c: 2.4e-4 and more
+
+
 def test_a_scale_below_one_sixty_fourth_or_above_one_stays_after_the_product():
     # 1e-5 would push the operands' small values into float16's subnormals; 2 would
     # only make them larger. Both scale the product's result, as written.
