@@ -33,7 +33,8 @@ from mpjax import custom_rules  # noqa: F401  (registers the custom-derivative r
 from mpjax import policy
 from mpjax import policy as policy_module  # `policy` is also autocast's argument
 from mpjax._casting import F32
-from mpjax.interpreter import Context, Region, Scope, eval_jaxpr
+from mpjax._regions import Region
+from mpjax.interpreter import Context, Scope, eval_jaxpr
 
 POLICIES = ("torch", "lean")
 

@@ -36,7 +36,7 @@ from mpjax import first_order
 from mpjax import fusions
 from mpjax import policy
 from mpjax._casting import F32, convert, dtype_of
-from mpjax._regions import Region, region_of  # noqa: F401  (Region: autocast's)
+from mpjax._regions import Region, region_of
 
 class Scope:
     """The casts made in one trace, so each value is cast to a dtype once.
