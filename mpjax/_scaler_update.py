@@ -123,12 +123,17 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
         growth_tracker=jnp.maximum(state.growth_tracker, 0),
     )
     eager = not any(_compat.is_tracer(x) for x in jax.tree.leaves((grads, state, params, extra)))
-    traced, read = _skip.traced_for_check(inner, grads, state.inner_state, params, extra, eager)
-    flags = functools.partial(_nonfinite_flags, config, grads, state.nonfinite_subtrees)
-    nonfinite, nonfinite_subtrees = flags(state.scale, read)
-    if eager and bool(nonfinite):  # is the non-finite gradient read?
-        read = _skip.read_eagerly(inner, grads, state.inner_state, params, extra)
-        nonfinite, nonfinite_subtrees = flags(state.scale, read)
+    # Eagerly, inner runs once, as bare (a Python schedule, a host-side log): it is
+    # traced only to tell whether a non-finite gradient is one it reads.
+    traced = None if eager else _skip.trace_update(inner, grads, state.inner_state, params, extra)
+    flags = functools.partial(
+        _nonfinite_flags, config, grads, state.nonfinite_subtrees, state.scale
+    )
+    nonfinite, nonfinite_subtrees = flags(None if eager else _skip.read_gradients(traced, grads))
+    if eager and bool(nonfinite):
+        nonfinite, nonfinite_subtrees = flags(
+            _skip.read_eagerly(inner, grads, state.inner_state, params, extra)
+        )
     if not _compat.is_tracer(nonfinite):
         # Eagerly (jax_debug_nans checks each operation) inner runs on zeros; under
         # jit, where a select in front changed XLA's rounding of inner, as they are.

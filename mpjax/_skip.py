@@ -40,17 +40,6 @@ def trace_update(inner, grads, state, params, extra):
     return jax.make_jaxpr(run, return_shape=True)(grads, state, params)
 
 
-def traced_for_check(inner, grads, state, params, extra, eager: bool):
-    """`trace_update`'s result and `read_gradients` of it; ``(None, None)`` when
-    `eager`, where inner runs as it does bare (a schedule with Python control
-    flow, host-side logging, run once): every gradient is checked, and
-    `read_eagerly` tells apart the non-finite ones inner does not read."""
-    if eager:
-        return None, None
-    traced = trace_update(inner, grads, state, params, extra)
-    return traced, read_gradients(traced, grads)
-
-
 def read_eagerly(inner, grads, state, params, extra) -> list[bool] | None:
     """`read_gradients` of inner traced; None (every gradient read) where inner
     cannot be traced, as a schedule with Python control flow cannot."""
