@@ -96,7 +96,7 @@ def autocast(
     Args:
       fun: the function to transform, or an NNX module (what it writes is kept).
         Omit it to use ``autocast(dtype=...)`` as a decorator.
-      dtype: ``jnp.float16`` (default) or ``jnp.bfloat16``.
+      dtype: ``jnp.float16`` (default) or ``jnp.bfloat16``; ``jnp.float32`` if not `enabled`.
       enabled: if False, `fun` runs as written (and so does any region nested in
         it that does not enable autocast again).
       policy: ``"torch"`` (default) hands on the dtype each operation computes in,
