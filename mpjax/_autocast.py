@@ -203,6 +203,12 @@ def _check_fun(fun) -> None:
             f"autocast(fun): got a {kind} object, which a class would no longer bind as "
             f"one. Put @{kind} above @autocast, as the outermost decorator."
         )
+    if isinstance(fun, str):  # torch's autocast("cuda", dtype=...)
+        raise TypeError(
+            f"autocast({fun!r}): autocast takes the function to transform, not a device "
+            "type: a JAX program runs where its arrays are, under the same policy on "
+            "every backend. Wrap the loss: autocast(loss_fn, dtype=jnp.float16)."
+        )
     if not callable(fun):
         raise TypeError(
             f"autocast(fun): fun must be callable, got {type(fun).__name__}. Wrap the "

@@ -8,7 +8,8 @@ remaining inputs.
 
 | bad input                                                        | what the library does                                              |
 |------------------------------------------------------------------|--------------------------------------------------------------------|
-| ``autocast(3)``, ``autocast("loss")``, ``autocast(array)``       | TypeError at wrap time: "autocast(fun): fun must be callable, got int. Wrap the function ... or use @autocast(dtype=...)" |
+| ``autocast(3)``, ``autocast(array)``                            | TypeError at wrap time: "autocast(fun): fun must be callable, got int. Wrap the function ... or use @autocast(dtype=...)" |
+| ``autocast("cuda", dtype=...)`` (torch's spelling), any string   | TypeError at wrap time: autocast takes the function, not a device type, and how to wrap |
 | ``autocast(jnp.float16)`` (dtype positionally, the torch habit)  | TypeError at wrap time: "autocast(fun): got the dtype float16 as the function; pass the dtype by keyword: autocast(dtype=jnp.float16)" |
 | ``autocast(jnp.float32)``                                        | TypeError at wrap time, pointing to ``dtype=jnp.bfloat16`` and to ``enabled=False`` for a float32 region |
 | ``grad_scaler(optax.adamw)`` (the factory, not an optimizer), or any non-optimizer ``inner`` | TypeError at wrap time: "grad_scaler(inner): inner must be an optax GradientTransformation, got 'adamw'; it makes one: pass grad_scaler(adamw(...))" |
@@ -74,15 +75,21 @@ PARAMS = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(3, 2), "b": jnp.zeros(2)}
 # autocast / audit: the function and the dtype.
 
 
-@pytest.mark.parametrize("fun", [3, "loss", jnp.ones(2)], ids=["int", "str", "array"])
+@pytest.mark.parametrize("fun", [3, jnp.ones(2)], ids=["int", "array"])
 def test_non_callable_names_fun_and_the_fix(fun):
     with pytest.raises(
         TypeError,
         match=r"autocast\(fun\): fun must be callable, got "
-        r"(int|str|ArrayImpl)\. Wrap the function",
+        r"(int|ArrayImpl)\. Wrap the function",
     ) as info:
         mpjax.autocast(fun)
     assert "@autocast(dtype=jnp.bfloat16)" in str(info.value)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu", "loss"])
+def test_a_device_type_first_as_torch_takes_it_says_autocast_takes_the_function(device):
+    with pytest.raises(TypeError, match=r"not a device type.*autocast\(loss_fn, dtype="):
+        mpjax.autocast(device, dtype=jnp.float16)
 
 
 def test_dtype_passed_positionally_is_refused_at_wrap_time():
