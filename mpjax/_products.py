@@ -26,6 +26,7 @@ then keeps (`runs_as_written`, `explicit_result_type`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -343,21 +344,21 @@ def _ranges_like(*groups):
 
 
 def runs_as_written(eqn, vals) -> bool:
-    """Whether a product keeps its inputs' precision. float64 and complex values are
-    never cast, so a product with such an operand runs in float64 or complex
-    whatever autocast does: rounding its float32 operand to 16 bits would only
-    lose precision (and a complex x 16-bit product with a float32 result would
-    drop the imaginary part). A product of a float8 value was given its
-    precision by the user (float8 x float8 into float32, often of two float8
-    kinds that have no common type), and runs as written too. And a
-    product given ``precision=HIGHEST`` or a dot algorithm was told how precise
-    to be by the user, unless `jax.default_matmul_precision` (which writes its
-    precision into every product) told all of them, as torch's autocast
-    overrides ``allow_tf32``."""
-    precision = eqn.params.get("precision")
-    given = precision if isinstance(precision, tuple) else (precision,)
-    kept = any(_kept_float(dtype_of(x)) or np.dtype(dtype_of(x)).kind == "c" for x in vals)
-    return kept or any(map(_asks_precision, given))
+    """Whether a product keeps its inputs' precision: one with a float64 or complex
+    operand (never cast: rounding the other to 16 bits would only lose precision,
+    or drop an imaginary part), or asked for a float64 result; one of a float8 or
+    integer value, whose precision the user chose (float8 kinds without a common
+    type; a quantized ``x @ int8`` scaled after, which 16 bits would overflow);
+    one given ``precision=HIGHEST`` or a dot algorithm, unless that is what
+    `jax.default_matmul_precision` writes into every product (``"float32"``),
+    which, as torch's autocast overrides ``allow_tf32``, asks nothing."""
+    dtypes = [np.dtype(dtype_of(x)) for x in vals]
+    kept = any(_kept_float(d) or d.kind == "c" for d in dtypes)
+    if eqn.primitive.name in _PRODUCTS or eqn.primitive.name == "conv_general_dilated":
+        kept = kept or any(d.kind in "iu" for d in dtypes[:2])  # not a group size
+    preferred = eqn.params.get("preferred_element_type")
+    kept = kept or (preferred is not None and _kept_float(preferred))
+    return kept or _asks_precision(eqn.params.get("precision"))
 
 
 def _kept_float(dtype) -> bool:
@@ -365,12 +366,24 @@ def _kept_float(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and not policy.is_castable(dtype)
 
 
-def _asks_precision(p) -> bool:
-    if jax.config.jax_default_matmul_precision is not None:
+def _asks_precision(precision) -> bool:
+    if precision == _written(jax.config.jax_default_matmul_precision):
         return False
-    if p is None or isinstance(p, jax.lax.Precision):
-        return p == jax.lax.Precision.HIGHEST
-    return getattr(p, "name", None) != "DEFAULT"  # a DotAlgorithmPreset
+    given = precision if isinstance(precision, tuple) else (precision,)
+    return any(
+        p == jax.lax.Precision.HIGHEST
+        if p is None or isinstance(p, jax.lax.Precision)
+        else getattr(p, "name", None) != "DEFAULT"  # a DotAlgorithmPreset
+        for p in given
+    )
+
+
+@functools.cache
+def _written(config):
+    """The precision `jax.default_matmul_precision` set to `config` writes into a
+    product the user gave none: a user's own (HIGHEST under ``"bfloat16"``) differs."""
+    one = np.ones((1, 1), np.float32)
+    return jax.make_jaxpr(lambda a: a @ a)(one).eqns[0].params["precision"]
 
 
 def explicit_result_type(eqn) -> bool:
