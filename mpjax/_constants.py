@@ -23,8 +23,14 @@ from mpjax import _compat
 from mpjax import policy
 from mpjax._casting import dtype_of, is_concrete, size
 
-EXACT_LIMIT = 1024
-"""Elements up to which a computed constant is evaluated at trace time."""
+EXACT_LIMIT = 1 << 16
+"""Elements up to which a computed constant is evaluated at trace time (as many as
+a closed-over one is read, `CLOSED_OVER_LIMIT`). A larger one is known only as a
+set of values (`ValueSet`), or not at all: it then widens the operation it meets
+(`fits`), rather than be cast blind."""
+
+SET_LIMIT = 1024
+"""Combinations of values up to which an elementwise function of sets is evaluated."""
 
 # Each element of their result is an element of a floating input.
 MOVES_VALUES = policy.LAYOUT | frozenset({
@@ -133,7 +139,7 @@ def _elementwise_sets(scope, eqn, known, outs) -> None:
     judges as well. Skipped where the combinations are too many."""
     sets = [value_set(k) for k in known]
     n = int(np.prod([len(v) for v in sets]))
-    if n > EXACT_LIMIT:
+    if n > SET_LIMIT:
         return
     grids = [
         np.asarray(g).ravel().astype(k.dtype)
@@ -153,7 +159,9 @@ def evaluate(eqn, known, outs):
         # leaves an eager shard_map's body tracing.
         with jax.ensure_compile_time_eval(), jax.core.eval_context():
             exact = _compat.bind(eqn, *known)
-        exact = [np.asarray(e) for e in exact]
+        # A typed PRNG key stays a jax.Array: its random bits are known in turn.
+        exact = [e if jax.dtypes.issubdtype(e.dtype, jax.dtypes.extended) else np.asarray(e)
+                 for e in exact]
     except Exception:  # a primitive that cannot run eagerly: nothing is known
         return None
     if any(e.shape != o.shape or e.dtype != o.dtype for e, o in zip(exact, outs)):
@@ -170,7 +178,8 @@ def copy(source, target, outer, inner, parts: bool = False) -> None:
     for x, y in zip(outer, inner):
         known = values(source, x)
         if parts and known is not None and not isinstance(known, ValueSet):
-            known = value_set(known) if known.size <= CLOSED_OVER_LIMIT else None
+            small = isinstance(known, np.ndarray) and known.size <= CLOSED_OVER_LIMIT
+            known = value_set(known) if small else None  # not a PRNG key's
         if known is not None and not is_concrete(y):
             target.record_constant(y, known)
 
@@ -186,14 +195,15 @@ def record_times(scope, x, factor, product) -> None:
 
 def fits(scope, x, dtype) -> bool:
     """Whether a weak value's known values are normal numbers (or 0, inf, NaN)
-    in `dtype`: what a cast to it keeps. Unknown values are taken to fit (the
-    cast saturates them, `mpjax._casting.convert`). A selection's fill counts as
-    any other constant: a mask's ``-1e9`` saturated to -65504 would no longer
-    equal the ``1e9`` the program compares it with later."""
+    in `dtype`: what a cast to it keeps. Unknown values (a constant too large to
+    evaluate, ``jnp.arange(4096) * 30.``) are not taken to fit: a cast would
+    saturate or flush them silently. A selection's fill counts as any other
+    constant: a mask's ``-1e9`` saturated to -65504 would no longer equal the
+    ``1e9`` the program compares it with later."""
     if not policy.is_castable(dtype_of(x)):
         return True
     known = values(scope, x)
-    return known is None or _holds(known, dtype)
+    return known is not None and _holds(known, dtype)
 
 
 def _holds(values, dtype) -> bool:
@@ -205,15 +215,21 @@ def _holds(values, dtype) -> bool:
     return bool(np.all(small & (finite <= float(info.max))))
 
 
-def scales_fit(scope, vals, low) -> bool:
+def scales_fit(scope, vals, weak, low) -> bool:
     """Whether each constant operand of a product in `low`, a 16-bit dtype, keeps its
     scale there: its largest magnitude a normal number (or 0). Beyond that range the
     cast saturates the constant, and the product is finite and wrong (``h @
     jnp.full(s, 1e5)`` in float16); below it, the constant becomes zeros and
     subnormals (``x @ jnp.full(s, 1e-8)`` is 0). Smaller elements beside the largest
-    lose precision as a weight's do, and unknown values are taken to fit."""
-    for x in vals:
-        known = values(scope, x) if policy.is_castable(dtype_of(x)) else None
+    lose precision as a weight's do. A weak operand whose values are unknown does
+    not fit (`fits`); other unknown values (a large closed-over weight) are taken to
+    fit, as a parameter's are."""
+    for x, w in zip(vals, weak):
+        if not policy.is_castable(dtype_of(x)):
+            continue
+        known = values(scope, x)
+        if known is None and w:
+            return False
         if known is not None and not _holds(largest(scope, known), low):
             return False
     return True
@@ -249,13 +265,14 @@ def fill_fits(eqn, low) -> bool:
 def joined(dtypes, known) -> np.dtype:
     """The dtype of an output of a cond's branches: the widest of those computed;
     a constant one (`known` holds its values: a reset to zeros) is held in it
-    where it fits, as `jnp.where`'s constant is, and widens it where not."""
+    where it fits, as `jnp.where`'s constant is, and widens it where not, or where
+    its values are unknown (None in `known`; False: a computed output)."""
     if all(d == dtypes[0] for d in dtypes):
         return dtypes[0]
-    computed = [d for d, k in zip(dtypes, known) if not isinstance(k, np.ndarray)]
+    computed = [d for d, k in zip(dtypes, known) if k is False]
     target = policy.widest(computed) if computed else None
     if target is None or not policy.is_castable(target):
         return policy.widest(dtypes)
-    if any(isinstance(k, np.ndarray) and not _holds(k, target) for k in known):
+    if any(k is None or (k is not False and not _holds(k, target)) for k in known):
         return policy.widest(dtypes)
     return target

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from mpjax import _compat, _constants, policy
-from mpjax._casting import F32, convert, dtype_of, fewer, size
+from mpjax._casting import F32, convert, dtype_of
 from mpjax.policy import Rule
 
 
@@ -177,12 +177,12 @@ def by_constant(scope, eqn, vals, targets, weak, lean=False):
     holds only rounded (0.1, 1/3, an EMA's 0.001), computed in float32 and rounded
     once, as torch's opmath computes with a Python scalar: the constant rounded
     first would move every result by the same relative amount (up to 2**-11 in
-    float16, 2**-8 in bfloat16), a bias averaging keeps. So is a constant whose
-    values autocast cannot know, where it has fewer elements than `x` (under the
-    `lean` policy too, which rounds a known constant as Flax's ``dtype=`` does). None
-    otherwise. A divisor counts as held where its reciprocal is too: XLA divides
-    by a constant as a product with its reciprocal, rounded to the dtype (x / 3
-    in float16 is x * 0.33325)."""
+    float16, 2**-8 in bfloat16), a bias averaging keeps (the `lean` policy rounds
+    it, as Flax's ``dtype=`` does). None otherwise. A constant whose values
+    autocast cannot know is no such case: its operation runs in float32
+    (`mpjax._constants.fits`). A divisor counts as held where its reciprocal is
+    too: XLA divides by a constant as a product with its reciprocal, rounded to
+    the dtype (x / 3 in float16 is x * 0.33325)."""
     name = eqn.primitive.name
     if name not in _KEEPS_OPERANDS or len(vals) != 2 or weak[0] == weak[1]:
         return None
@@ -192,14 +192,8 @@ def by_constant(scope, eqn, vals, targets, weak, lean=False):
     low = targets[i]
     if low not in policy.LOW_DTYPES or dtype_of(vals[i]) != low:
         return None
-    known = _constants.values(scope, vals[1 - i])
-    if known is None:
-        # Values unknown at trace time (a count summed from a large mask): a
-        # factor smaller than the value is applied in float32 rather than cast,
-        # which would saturate it silently.
-        if not fewer(size(vals[1 - i]), size(vals[i])):
-            return None
-    elif lean or _held(np.asarray(known, F32), low, name == "div"):
+    known = _constants.values(scope, vals[1 - i])  # known: else the target is float32
+    if lean or _held(np.asarray(known, F32), low, name == "div"):
         return None  # held exactly: a power of two, a small integer
     args = [convert(vals[i], F32, False), convert(vals[1 - i], F32, False)]
     return [convert(o, low, False) for o in _compat.bind(eqn, *(args if i == 0 else args[::-1]))]

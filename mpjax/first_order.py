@@ -80,7 +80,7 @@ def policy_rule(ctx, eqn, vals, weak):
         rule = rule if table is not None else Rule.AS_RECEIVED
     if rule is Rule.LOW and _products.runs_as_written(eqn, vals):
         rule = Rule.ORIGINAL
-    if rule is Rule.LOW and not _constants.scales_fit(ctx.scope, vals, low):
+    if rule is Rule.LOW and not _constants.scales_fit(ctx.scope, vals, weak, low):
         rule = Rule.ORIGINAL  # a constant operand 16 bits would saturate or flush
     if rule is not Rule.ORIGINAL and not _constants.fill_fits(eqn, low):
         rule = Rule.ORIGINAL

@@ -234,7 +234,8 @@ def _signature(scope: Scope, x, weak: bool):
     holds them, `mpjax._constants.fits`); a large one's identity, alive all call."""
     known = _constants.values(scope, x)
     if known is not None:
-        held = known.tobytes() if known.size <= _constants.CLOSED_OVER_LIMIT else id(x)
+        small = isinstance(known, np.ndarray) and known.size <= _constants.CLOSED_OVER_LIMIT
+        held = known.tobytes() if small else id(x)  # a PRNG key's too
         is_set = isinstance(known, _constants.ValueSet)
         return dtype_of(x), np.shape(x), known.dtype, held, is_set, weak
     return dtype_of(x), weak

@@ -1686,3 +1686,86 @@ def test_a_moved_scale_costs_the_backward_products_at_most_eight_times_their_hea
     grads = jax.grad(mpjax.autocast(loss), argnums=(0, 1))(w, x)
     assert all(np.isfinite(g).all() for g in grads)
     np.testing.assert_allclose(grads[1], jax.grad(loss, argnums=1)(w, x), rtol=1e-2)
+
+
+# --- constants too large to evaluate, and products whose precision the user chose ---
+
+
+def _table(n):
+    return jnp.arange(n * n, dtype=jnp.float32).reshape(n, n)
+
+
+# n = 64: evaluated at trace time; n = 300 (90,000 elements): too large, unknown.
+_LARGE_CONSTANTS = {
+    "added": lambda h, n: h + _table(n) * 30.0,  # up to 2.7e6: saturated, 65504
+    "tiny_factor": lambda h, n: h * (_table(n) * 1e-11),  # flushed towards 0
+    "product": lambda h, n: jnp.ones((4, n)) @ (jnp.linspace(1e-9, 2e-9, n * n).reshape(n, n)),
+    "in_a_cond": lambda h, n: lax.cond(h[0, 0] > 0, lambda: h, lambda: _table(n) * 30.0),
+}
+
+
+@pytest.mark.parametrize("n", [64, 300])
+@pytest.mark.parametrize("name", list(_LARGE_CONSTANTS))
+def test_a_large_constant_made_from_arange_keeps_its_values(low, name, n):
+    # A constant computed from literals is evaluated at trace time up to 65536
+    # elements; a larger one, whose values autocast does not know, runs its
+    # operation in float32 rather than cast blind (saturated to 65504, or 0).
+    x = jnp.full((n, n), 0.01)
+    f = lambda x, w: _LARGE_CONSTANTS[name](x @ w, n)  # noqa: E731
+    got, want = jax.jit(mpjax.autocast(f, dtype=low))(x, jnp.eye(n)), f(x, jnp.eye(n))
+    assert got.dtype == want.dtype and np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, rtol=4 * rel_tol(low), atol=1e-30)
+
+
+def test_random_values_the_function_draws_from_a_literal_key_are_known(low):
+    # jax.random.normal(jax.random.key(0), ...) inside the function is a constant:
+    # its values are evaluated through the typed key, and its product runs in 16 bits.
+    def f(w):
+        return jax.random.normal(jax.random.key(1), (3, 64)) @ w
+
+    jaxpr = jax.make_jaxpr(mpjax.autocast(f, dtype=low))(jnp.ones((64, 4)))
+    assert _dot_operand_dtypes(jaxpr) == [(low, low)]
+
+
+def test_a_product_asked_for_a_float64_result_runs_as_written():
+    # 257 products of 9 summed: 2313 in float64, 2312 rounded to float16; 30 * 30 *
+    # 256 = 230400 is inf in float16.
+    dims = (((1,), (0,)), ((), ()))
+    f = lambda w, x: lax.dot_general(x, w, dims, preferred_element_type=jnp.float64)  # noqa: E731
+    with jax.enable_x64(True):
+        for v, k in ((3.0, 257), (30.0, 256)):
+            x, w = jnp.full((4, k), v, jnp.float32), jnp.full((k, 8), v, jnp.float32)
+            got = jax.jit(mpjax.autocast(f))(w, x)
+            assert got.dtype == jnp.float64
+            np.testing.assert_array_equal(got, f(w, x))
+
+
+def test_a_product_with_an_integer_operand_runs_as_written(low):
+    # A weight-only quantized layer: x @ int8 into float32, scaled after. In
+    # float16 the product, 204800, would be inf; fp8 weights run as written too.
+    dims = (((1,), (0,)), ((), ()))
+    f = lambda x, q, s: lax.dot_general(x, q, dims, preferred_element_type=F32) * s  # noqa: E731
+    x, s = jnp.full((2, 4096), 0.5), jnp.full((8,), 1e-3)
+    q = jnp.full((4096, 8), 100, jnp.int8)
+    got = jax.jit(mpjax.autocast(f, dtype=low))(x, q, s)
+    np.testing.assert_array_equal(got, f(x, q, s))
+    (dot,) = [e for e in all_eqns(jax.make_jaxpr(mpjax.autocast(f, dtype=low))(x, q, s))
+              if e.primitive.name == "dot_general"]  # fmt: skip
+    assert [v.aval.dtype for v in dot.invars] == [F32, jnp.int8]
+
+
+@pytest.mark.parametrize("config", ["bfloat16", "tensorfloat32"])
+def test_highest_precision_is_kept_under_a_default_matmul_precision_that_is_not(config):
+    # "bfloat16" writes DEFAULT into every product, so a user's HIGHEST (or a dot
+    # algorithm) is told apart from it, and runs as written; "float32" writes
+    # HIGHEST everywhere and asks nothing (test_explicit_highest_precision_...).
+    x = jax.random.normal(jax.random.key(0), (16, 256))
+    w = jax.random.normal(jax.random.key(1), (256, 32))
+    dims = (((1,), (0,)), ((), ()))
+    for precision in (lax.Precision.HIGHEST, lax.DotAlgorithmPreset.F32_F32_F32):
+        f = lambda x, w: lax.dot_general(x, w, dims, precision=precision)  # noqa: B023, E731
+        with jax.default_matmul_precision(config):
+            got, want = jax.jit(mpjax.autocast(f))(x, w), f(x, w)
+            plain = jax.make_jaxpr(mpjax.autocast(lambda x, w: x @ w))(x, w)
+        np.testing.assert_array_equal(got, want)
+        assert _dot_operand_dtypes(plain) == [(F16, F16)]  # the config's own: 16 bits
