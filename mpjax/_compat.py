@@ -204,14 +204,14 @@ def retype_scalar_jaxpr(params, dtype):
     return dict(update_jaxpr=new_jaxpr, update_consts=new_consts)
 
 
-def custom_jvp_rule(params, num_args: int):
-    """The jvp rule of a custom_jvp equation, traced at the original dtypes.
+def custom_jvp_rule(params, zeros):
+    """A custom_jvp equation's jvp rule at the original dtypes (`zeros`: flags of zero tangents).
 
     Returns ``(jaxpr, consts, leading, out_zeros)``: the jaxpr maps ``(*leading,
-    *primals, *tangents)`` (jax 0.12's detached consts lead) to ``(*primal_outs,
-    *nonzero_tangent_outs)``; ``out_zeros[i]``: the i-th tangent is a symbolic zero.
+    *primals, *nonzero_tangents)`` (jax 0.12's detached consts lead) to
+    ``(*primal_outs, *nonzero_tangent_outs)``; ``out_zeros[i]``: the i-th is zero.
     """
-    jaxpr, consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(*[False] * num_args)
+    jaxpr, consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(*zeros)
     if len(jaxpr.constvars) < len(consts):
         return jaxpr, [], list(consts), list(out_zeros)
     return jaxpr, consts, [], list(out_zeros)

@@ -39,13 +39,18 @@ def _custom_jvp(ctx: Context, eqn, vals, weak):
         outs, _ = eval_closed(child, params["call_jaxpr"], list(args), weak)
         return outs
 
-    n_args = len(vals) - n_consts
-
     def jvp(primals, tangents):
         # Traced only when differentiated, as JAX does: a rule may not trace at all
         # (erfcx's second-order one on jax 0.12), and the forward pass needs none.
-        rule, rule_consts, leading, out_zeros = _compat.custom_jvp_rule(params, n_args)
-        widen = _tangents_reach_sums(rule, rule.invars[len(rule.invars) - n_args :])
+        # Symbolic zeros are passed on, as JAX does, to a rule that asked for them.
+        tangents = tangents[n_consts:]
+        zeros = [isinstance(t, _compat.SymbolicZero) for t in tangents]
+        if not params["symbolic_zeros"]:
+            tangents = [_zero_tangent(t.aval) if z else t for t, z in zip(tangents, zeros)]
+            zeros = [False] * len(zeros)
+        tangents = [t for t, z in zip(tangents, zeros) if not z]
+        rule, rule_consts, leading, out_zeros = _compat.custom_jvp_rule(params, zeros)
+        widen = _tangents_reach_sums(rule, rule.invars[len(rule.invars) - len(tangents) :])
         if any(_compat.is_stale_tracer(c) for c in (*rule_consts, *leading)):
             raise TypeError(_CLOSED_OVER.format(_compat.user_frame(eqn)))
         out_avals = jax.eval_shape(primal, *primals)
@@ -54,7 +59,8 @@ def _custom_jvp(ctx: Context, eqn, vals, weak):
         # A tangent is a parameter where its primal is: its product's transpose
         # is the parameter's gradient, which keeps a float32 accumulator.
         primals_in = eqn.invars[n_consts:]
-        passed = [*[True] * len(leading), *primals_in, *primals_in]
+        tangents_of = [v for v, z in zip(primals_in, zeros) if not z]
+        passed = [*[True] * len(leading), *primals_in, *tangents_of]
         child = ctx.passing(passed).child()
         _constants.copy(ctx.scope, child.scope, vals, primals)
         try:
@@ -62,8 +68,8 @@ def _custom_jvp(ctx: Context, eqn, vals, weak):
                 child,
                 rule,
                 rule_consts,
-                [*leading, *primals[n_consts:], *tangents[n_consts:]],
-                [False] * len(leading) + [*weak[n_consts:], *[False] * n_args],
+                [*leading, *primals[n_consts:], *tangents],
+                [False] * len(leading) + [*weak[n_consts:], *[False] * len(tangents)],
             )
         except jax.errors.UnexpectedTracerError as e:
             raise TypeError(_CLOSED_OVER.format(_compat.user_frame(eqn))) from e
@@ -80,7 +86,7 @@ def _custom_jvp(ctx: Context, eqn, vals, weak):
         return primal_outs, tangent_outs
 
     rebuilt = jax.custom_jvp(primal)
-    rebuilt.defjvp(lambda primals, tangents: jvp(list(primals), list(tangents)))
+    rebuilt.defjvp(lambda ps, ts: jvp(list(ps), list(ts)), symbolic_zeros=True)
     return list(rebuilt(*vals))
 
 

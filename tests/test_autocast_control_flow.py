@@ -283,6 +283,28 @@ def test_user_custom_jvp_rule_is_kept_and_autocast():
     assert all(e.outvars[0].aval.dtype == F32 for e in all_eqns(jaxpr) if e.primitive.name == "exp")
 
 
+def test_a_custom_jvp_rule_asking_for_symbolic_zeros_gets_them(low):
+    # A rule defined with symbolic_zeros=True may refuse a tangent it has no
+    # derivative for: it is told which tangents are zero, as JAX tells it.
+    @jax.custom_jvp
+    def scaled(a, b):
+        return a * jnp.sin(b)
+
+    def scaled_jvp(primals, tangents):
+        (a, b), (ta, tb) = primals, tangents
+        if not isinstance(tb, jax.custom_derivatives.SymbolicZero):
+            raise NotImplementedError("no derivative with respect to b")
+        return scaled(a, b), ta * jnp.sin(b)
+
+    scaled.defjvp(scaled_jvp, symbolic_zeros=True)
+    f = lambda w, x: jnp.sum(scaled(x @ w, jnp.ones(4)) ** 2)  # noqa: E731
+    w, x = _w(4, 4), _w(2, 4, seed=1)
+    for grad in (jax.grad(mpjax.autocast(f, dtype=low)), jax.jit(jax.grad(mpjax.autocast(f)))):
+        np.testing.assert_allclose(grad(w, x), jax.grad(f)(w, x), rtol=rel_tol(low), atol=1e-3)
+    tangent = jax.jvp(mpjax.autocast(f, dtype=low), (w, x), (w, jnp.zeros_like(x)))[1]
+    np.testing.assert_allclose(tangent, jax.jvp(f, (w, x), (w, jnp.zeros_like(x)))[1], rtol=rel_tol(low))
+
+
 def test_custom_vjp_runs_as_written():
     @jax.custom_vjp
     def scaled_identity(x):
