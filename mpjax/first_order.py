@@ -7,8 +7,7 @@ primitive on 16-bit inputs (`_float32_inside`); and a 16-bit product with a
 float32 input, whose result stays float32 for its gradient
 (`_low_product_float32_accumulator`).
 
-`ctx` below is the interpreter's `Context`. This module sits below the
-interpreter (which imports it), so it reads the context without importing its type.
+`ctx` below is the interpreter's `Context`, read without importing its type.
 """
 
 from __future__ import annotations
@@ -97,8 +96,9 @@ def policy_rule(ctx, eqn, vals, weak):
         outs = _float32_sums(eqn, vals, targets, ctx, weak)
         if outs is not None:
             return outs
+    clamp = lean and rule is Rule.WIDEST  # a float32 operand outvoted: saturated
     if low is not None and eqn.primitive.name in policy.IMPLICIT_BROADCAST:
-        outs = _broadcast_in_float32(ctx, eqn, vals, targets, weak)
+        outs = _broadcast_in_float32(ctx, eqn, vals, targets, weak, clamp)
         if outs is not None:
             return outs
     if low is not None and rule is Rule.WIDEST:  # `mpjax._pointwise`
@@ -109,7 +109,7 @@ def policy_rule(ctx, eqn, vals, weak):
         outs = outs or _pointwise.by_constant(ctx.scope, eqn, vals, targets, weak, lean)
         if outs is not None:
             return outs
-    args = _cast_all(ctx, vals, targets, weak)
+    args = _cast_all(ctx, vals, targets, weak, clamp)
     updates = {}
     if rule is Rule.LOW:
         if _products.unreduced(eqn):  # summed across devices next: in float32
@@ -297,7 +297,7 @@ def _is_low(dtype) -> bool:
     return policy.is_castable(dtype) and np.dtype(dtype) in policy.LOW_DTYPES
 
 
-def _broadcast_in_float32(ctx, eqn, vals, targets, weak):
+def _broadcast_in_float32(ctx, eqn, vals, targets, weak, clamp=False):
     """An elementwise primitive whose 16-bit operand it would broadcast implicitly:
     that operand is broadcast explicitly (sharded as the result), with its tangent
     broadcast at float32 (`_pointwise.float32_tangent`), and the primitive bound. None if none.
@@ -305,9 +305,8 @@ def _broadcast_in_float32(ctx, eqn, vals, targets, weak):
     The transpose of an implicit broadcast sums the cotangent in the operand's dtype;
     that of a broadcast of a float32 tangent sums in float32. A float32 value that the
     policy rounds (a bias, lean policy) is rounded while small, and its gradient stays
-    float32. Constants (literals, values computed from literals alone) have no
-    cotangent and are left alone. Unless the primitive is linear (add, sub), it is
-    rematerialized with the broadcast: the backward pass keeps its operands.
+    float32. Constants have no cotangent and are left alone. Unless the primitive
+    is linear (add, sub), it is rematerialized with the broadcast.
     """
     shape, sharded = eqn.outvars[0].aval.shape, explicit_sharding(eqn.outvars[0].aval)
     broadcast = functools.partial(jax.lax.broadcast_in_dim, shape=shape, out_sharding=sharded)
@@ -320,7 +319,7 @@ def _broadcast_in_float32(ctx, eqn, vals, targets, weak):
     if not widen:
         return None
     args = [
-        x if i in widen or t is None else ctx.scope.cast(x, t, w)
+        x if i in widen or t is None else ctx.scope.cast(x, t, w, clamp)
         for i, (x, t, w) in enumerate(zip(vals, targets, weak))
     ]
 
@@ -329,8 +328,9 @@ def _broadcast_in_float32(ctx, eqn, vals, targets, weak):
         for i, low in widen.items():
             dims = tuple(range(np.ndim(xs[i])))
 
-            def primal(v, low=low, dims=dims):  # rounded, then broadcast
-                return [broadcast(convert(v, low, False), broadcast_dimensions=dims)]
+            def primal(v, low=low, dims=dims):  # rounded (`Scope.cast`), then broadcast
+                sat = clamp and dtype_of(v) == F32
+                return [broadcast(convert(v, low, sat), broadcast_dimensions=dims)]
 
             def tangent(t, low=low, dims=dims):  # broadcast at float32, then rounded
                 t = broadcast(convert(t, F32, False), broadcast_dimensions=dims)
@@ -394,6 +394,7 @@ def _largest(sizes):
     return out
 
 
-def _cast_all(ctx, vals, targets, weak) -> list:
+def _cast_all(ctx, vals, targets, weak, clamp=False) -> list:
     """Each value cast to its target dtype (None: left as it is), through the scope."""
-    return [x if t is None else ctx.scope.cast(x, t, w) for x, t, w in zip(vals, targets, weak)]
+    cast = ctx.scope.cast
+    return [x if t is None else cast(x, t, w, clamp) for x, t, w in zip(vals, targets, weak)]

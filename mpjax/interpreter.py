@@ -111,11 +111,17 @@ class Scope:
             scope = scope.parent
         return None
 
-    def cast(self, x, dtype, weak: bool = False):
+    def cast(self, x, dtype, weak: bool = False, clamp: bool = False):
+        """`x` cast to `dtype`, once. Weak values are constants the user wrote for
+        float32 (a -1e9 mask): saturated rather than overflow to inf in float16.
+        So is a float32 value with `clamp`: the lean policy's operand outvoted by
+        a 16-bit activation (a ``finfo(float32).min`` mask is then -65504, as a
+        model cast by hand writes it, not -inf, which makes a masked row NaN)."""
         if dtype_of(x) == dtype:
             return x
         dtype = np.dtype(dtype)
-        key = (id(x), dtype)
+        clamp = clamp and dtype_of(x) == np.float32
+        key = (id(x), dtype, True) if clamp and not weak else (id(x), dtype)
         made = self._recorded("_casts", key)
         if made is not None:
             return made
@@ -123,11 +129,9 @@ class Scope:
         if make is not None:
             y = make(dtype)
         else:
-            if key[0] in self._invariant:
+            if key[0] in self._invariant and len(key) == 2:
                 self.requests.append((x, dtype, weak))
-            # Weak values are constants the user wrote for float32 (a -1e9 mask):
-            # saturate them rather than overflow to inf in float16.
-            y = convert(x, dtype, saturate=weak)
+            y = convert(x, dtype, saturate=weak or clamp)
         self._casts[key] = (x, y)  # the key's object is kept alive with its id
         return y
 

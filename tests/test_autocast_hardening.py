@@ -1769,3 +1769,25 @@ def test_highest_precision_is_kept_under_a_default_matmul_precision_that_is_not(
             plain = jax.make_jaxpr(mpjax.autocast(lambda x, w: x @ w))(x, w)
         np.testing.assert_array_equal(got, want)
         assert _dot_operand_dtypes(plain) == [(F16, F16)]  # the config's own: 16 bits
+
+
+def test_lean_rounds_a_float32_mask_bias_to_the_low_dtype_saturated(low):
+    # Hugging Face's Flax models add where(mask, 0, finfo(float32).min) to the
+    # scores. The lean policy rounds that smaller float32 operand to the scores'
+    # 16 bits: saturated to -max, as a hand-cast model writes finfo(float16).min,
+    # not -inf, which made a fully masked (padding) row NaN.
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k1, (1, 4, 8))
+    wq, wk = jax.random.normal(k2, (8, 2, 4)), jax.random.normal(k3, (8, 2, 4))
+    keep = jnp.tril(jnp.ones((4, 4), bool)).at[:, 0].set(False)  # query 0 sees nothing
+    bias = jnp.where(keep, 0.0, jnp.finfo(jnp.float32).min)[None, None]
+
+    def attn(x, wq, wk, bias):
+        q, k = jnp.einsum("btd,dhe->bhte", x, wq), jnp.einsum("btd,dhe->bhte", x, wk)
+        return jax.nn.softmax(q @ k.swapaxes(-1, -2) + bias, -1)
+
+    got = jax.jit(mpjax.autocast(attn, dtype=low, policy="lean"))(x, wq, wk, bias)
+    want = attn(x, wq, wk, bias)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got[:, :, 1:], want[:, :, 1:], atol=4 * rel_tol(low))
+    np.testing.assert_allclose(got.sum(-1), 1.0, rtol=rel_tol(low))
