@@ -113,10 +113,10 @@ def autocast(
         of rounding more intermediate results to 16 bits.
       reduce_dtype: the dtype gradients of float32 values (the weights) are summed
         in, as torch FSDP's ``reduce_dtype``. ``jnp.float32`` (default): the
-        weight gradient of a matrix product with a float32 input multiplies
-        16-bit operands into a float32 result, summed over the batch in float32
-        and never rounded to `dtype`, so data-parallel ``jit`` all-reduces it in
-        float32, not in 16 bits. Pass `dtype` itself to all-reduce in 16 bits,
+        weight gradient of a matrix product with a float32 input (under
+        ``jax.grad(autocast(f))``) multiplies 16-bit operands into a float32
+        sum over the batch, never rounded to `dtype`, so data-parallel ``jit``
+        all-reduces it in float32. Pass `dtype` itself to all-reduce in 16 bits,
         for half the bandwidth. Convolutions always produce `dtype` results.
 
     Returns:
