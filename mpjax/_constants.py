@@ -53,6 +53,12 @@ CLOSED_OVER_LIMIT = 1 << 16
 """Elements up to which a closed-over jax.Array constant is read at trace time."""
 
 
+def small(known) -> bool:
+    """Whether known values are a NumPy array of at most `CLOSED_OVER_LIMIT`
+    elements, cheap to copy or compare by value (not a PRNG key's jax.Array)."""
+    return isinstance(known, np.ndarray) and known.size <= CLOSED_OVER_LIMIT
+
+
 def read_closed_over(x):
     """`x`, a constant of the traced program; a floating jax.Array the function
     closed over (on one device, of up to `CLOSED_OVER_LIMIT` elements) as a NumPy
@@ -178,8 +184,7 @@ def copy(source, target, outer, inner, parts: bool = False) -> None:
     for x, y in zip(outer, inner):
         known = values(source, x)
         if parts and known is not None and not isinstance(known, ValueSet):
-            small = isinstance(known, np.ndarray) and known.size <= CLOSED_OVER_LIMIT
-            known = value_set(known) if small else None  # not a PRNG key's
+            known = value_set(known) if small(known) else None
         if known is not None and not is_concrete(y):
             target.record_constant(y, known)
 

@@ -238,8 +238,7 @@ def _signature(scope: Scope, x, weak: bool):
     holds them, `mpjax._constants.fits`); a large one's identity, alive all call."""
     known = _constants.values(scope, x)
     if known is not None:
-        small = isinstance(known, np.ndarray) and known.size <= _constants.CLOSED_OVER_LIMIT
-        held = known.tobytes() if small else id(x)  # a PRNG key's too
+        held = known.tobytes() if _constants.small(known) else id(x)
         is_set = isinstance(known, _constants.ValueSet)
         return dtype_of(x), np.shape(x), known.dtype, held, is_set, weak
     return dtype_of(x), weak
