@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 
 from mpjax import _compat, _constants, _products, fusions, policy
-from mpjax._casting import F32, dtype_of, fewer, is_concrete
+from mpjax._casting import F32, convert, dtype_of, fewer, is_concrete
 from mpjax.fusions import _is_var
 from mpjax.policy import Rule
 
@@ -102,7 +102,7 @@ def find(jaxpr, fused, known=None) -> dict[int, tuple[int, int]]:
     ]
     if not scales:  # most jaxprs: no reader counts to make
         return {}
-    reads = readers(jaxpr)
+    reads = readers(jaxpr, fused.observing)
     made_by = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
     out = {}
     for j, position in scales:
@@ -118,9 +118,12 @@ def find(jaxpr, fused, known=None) -> dict[int, tuple[int, int]]:
     return out
 
 
-def readers(jaxpr) -> Counter:
-    """How many equations (and outputs) of `jaxpr` read each variable."""
-    reads = Counter(v for eqn in jaxpr.eqns for v in eqn.invars if _is_var(v))
+def readers(jaxpr, observing=frozenset()) -> Counter:
+    """How many equations (and outputs) of `jaxpr` read each variable, those that
+    only observe (`observing`, `mpjax._readers.observing`) not counted."""
+    reads = Counter(
+        v for i, e in enumerate(jaxpr.eqns) if i not in observing for v in e.invars if _is_var(v)
+    )
     reads.update(v for v in jaxpr.outvars if _is_var(v))
     return reads
 
@@ -155,7 +158,7 @@ class Folds:
         self.known = constants(jaxpr, consts) if jaxpr.eqns else {}
         self.products = find(jaxpr, fused, self.known)
         self.scales = {j: i for i, (j, _) in self.products.items()}
-        reads = readers(jaxpr) if self.products else {}
+        reads = readers(jaxpr, fused.observing) if self.products else {}
         self.shared = {v for v, n in reads.items() if n > 1}
         """Read by more than one equation: scaled, a copy kept beside the value."""
         self.moved: dict[int, tuple] = {}
@@ -168,6 +171,15 @@ class Folds:
         if j in self.scales:
             return lambda ctx, eqn, vals, weak: self._scale(j, rule, ctx, eqn, vals, weak)
         return rule
+
+    def observed(self, v, value):
+        """What an observer (`mpjax._readers.observing`) reads of `v`, whose value the
+        program holds: a product whose operands took a power of two, widened to
+        float32 and without it (finite where the scaled result is); else `value`."""
+        for j, (_, e) in self.moved.items():
+            if self.eqns[j].outvars[0] is v:
+                return lax.mul(convert(value, F32, False), np.float32(2.0**-e))
+        return value
 
     def _product(self, j, rule, ctx, eqn, vals, weak):
         if not _moves(ctx, eqn, vals):

@@ -84,3 +84,32 @@ def lone_operands(eqns, readers) -> dict:
         for e in eqns
         if e.primitive.name in ("mul", "div")
     }
+
+
+OBSERVERS = frozenset({"debug_print", "debug_callback", "check"})
+"""``jax.debug.print``, ``jax.debug.callback`` and ``checkify.check``: primitives
+that look at values and compute none the program reads."""
+
+
+def observing(eqns, outvars) -> frozenset[int]:
+    """Indices of the equations of a jaxpr that only observe: `OBSERVERS`, and the
+    equations whose every result only they read (a check's predicate). autocast's
+    rewrites count them as no readers, so that printing a value does not change
+    what the program computes; they read what the program has (`mpjax.interpreter`)."""
+    readers: dict = {}
+    for i, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if not isinstance(v, _compat.Literal):
+                readers.setdefault(v, []).append(i)
+    outputs = {v for v in outvars if not isinstance(v, _compat.Literal)}
+    found: set = set()
+    for i in reversed(range(len(eqns))):
+        eqn = eqns[i]
+        if eqn.primitive.name in OBSERVERS:
+            found.add(i)
+        elif not eqn.effects and eqn.outvars and all(
+            v not in outputs and v in readers and all(r in found for r in readers[v])
+            for v in eqn.outvars
+        ):
+            found.add(i)
+    return frozenset(found)

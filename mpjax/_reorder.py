@@ -33,8 +33,9 @@ import numpy as np
 from mpjax import _compat
 
 
-def relu_pools(jaxpr) -> dict[int, int]:
-    """``{index of a max-pool: index of the jax.nn.relu it alone reads}`` in `jaxpr`."""
+def relu_pools(jaxpr, observing=frozenset()) -> dict[int, int]:
+    """``{index of a max-pool: index of the jax.nn.relu it alone reads}`` in `jaxpr`,
+    the equations that only observe (`observing`) not counted as readers."""
     eqns = jaxpr.eqns
     relus = {
         eqn.outvars[0]: i
@@ -55,7 +56,7 @@ def relu_pools(jaxpr) -> dict[int, int]:
         return {}
     reads = collections.Counter(
         v
-        for vs in [jaxpr.outvars, *(eqn.invars for eqn in eqns)]
+        for vs in [jaxpr.outvars, *(e.invars for i, e in enumerate(eqns) if i not in observing)]
         for v in vs
         if not isinstance(v, _compat.Literal)
     )

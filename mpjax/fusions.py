@@ -98,6 +98,8 @@ class Fusions(NamedTuple):
     fewer elements, as (operand position, broadcast equation) pairs."""
     lone: dict = {}
     """By id of each mul and div, its operands nothing else reads (`_readers`)."""
+    observing: frozenset = frozenset()
+    """Indices of the equations that only observe (`_readers.observing`): no readers."""
 
 
 NONE = Fusions()
@@ -116,11 +118,13 @@ def find(jaxpr, passed=None, passed_tables=None) -> Fusions:
     `Context`'s (in a loop body, a product takes a bias only where the caller's
     parameters reach it: a chunk of keys scanned over is no layer's weight)."""
     eqns = jaxpr.eqns
+    observing = _readers.observing(eqns, jaxpr.outvars)
     producer, readers = {}, defaultdict(list)
     for i, eqn in enumerate(eqns):
         producer.update((v, i) for v in eqn.outvars)
         for v in filter(_is_var, eqn.invars):
-            readers[v].append(i)
+            if i not in observing:
+                readers[v].append(i)
     for v in filter(_is_var, jaxpr.outvars):
         readers[v].append(_OUTPUT)
     args = arguments(jaxpr, passed)
@@ -133,7 +137,7 @@ def find(jaxpr, passed=None, passed_tables=None) -> Fusions:
     )
     chains: dict = {}
     deferred: set = set()
-    for source, members in _pointwise_groups(eqns).items():
+    for source, members in _pointwise_groups(eqns, observing).items():
         chain = _chain(source, members, eqns, readers)
         if chain is not None:
             chains[chain.eqns[-1]] = chain
@@ -152,7 +156,7 @@ def find(jaxpr, passed=None, passed_tables=None) -> Fusions:
     float32_sums |= frozenset(id(e) for e in eqns if _readers.is_mean(e, eqns, readers))
     fused = (bias_adds, float32_sums, residual_sums, chains, frozenset(deferred))
     lone = _readers.lone_operands(eqns, readers)
-    return Fusions(*fused, args, accumulated, selects, lone)
+    return Fusions(*fused, args, accumulated, selects, lone, observing)
 
 
 def _read_by_any(candidates, ids, eqns, readers) -> frozenset:
@@ -230,12 +234,12 @@ def parameters(ctx, eqn, vals, among=None) -> list:
     ]
 
 
-def _pointwise_groups(eqns) -> dict:
+def _pointwise_groups(eqns, observing=frozenset()) -> dict:
     """Equations by the one variable their elementwise computation started from."""
     source: dict = {}
     groups: dict = defaultdict(list)
     for i, eqn in enumerate(eqns):
-        if not _pointwise.is_pointwise(eqn):
+        if not _pointwise.is_pointwise(eqn) or i in observing:
             continue
         roots = {source.get(v, v) for v in filter(_is_var, eqn.invars)}
         if len(roots) != 1:

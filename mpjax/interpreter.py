@@ -288,9 +288,14 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
         lone=fused.lone,
     )
     folds = _prescale.Folds(jaxpr, fused, consts)  # attention's scale: `mpjax._prescale`
-    pools = _reorder.relu_pools(jaxpr) if jaxpr.eqns and not ctx.region.lean else {}
+    lean = ctx.region.lean
+    pools = _reorder.relu_pools(jaxpr, fused.observing) if jaxpr.eqns and not lean else {}
     relus = frozenset(pools.values())
+    observe = _Observer(ctx, jaxpr.eqns, env, read, folds)
     for i, eqn in enumerate(jaxpr.eqns):
+        if i in fused.observing:  # a print, a check: sees what the program holds
+            _evaluate(ctx, eqn, observe, env)
+            continue
         if i in fused.deferred or i in relus:
             continue  # evaluated with the pointwise function or max-pool it belongs to
         if i in pools:  # relu(max_pool(x)) for max_pool(relu(x)): `mpjax._reorder`
@@ -313,6 +318,31 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
                 rule = folds.rule(j, rule)
             _evaluate(ctx, jaxpr.eqns[j], read, env, rule)
     return [list(t) for t in zip(*map(read, jaxpr.outvars))] if jaxpr.outvars else ([], [])
+
+
+class _Observer:
+    """The reader of the equations that only observe (`mpjax._readers.observing`):
+    what the program holds of a value, without the power of two a product's
+    operands took (`_prescale.Folds.observed`), and made per primitive where a
+    rewrite made none (a fused chain's inside, a ReLU moved after its max-pool).
+    Not a closure calling itself, whose cycle would keep `env` alive."""
+
+    def __init__(self, ctx: Context, eqns, env, read, folds):
+        self.ctx, self.eqns, self.env, self.read, self.folds = ctx, eqns, env, read, folds
+        self.made, self.made_by = {}, {}
+
+    def __call__(self, v):
+        if isinstance(v, _compat.Literal):
+            return self.read(v)
+        if v in self.made:
+            return self.made[v]
+        if v in self.env:
+            value, weak = self.env[v]
+            return self.folds.observed(v, value), weak
+        if not self.made_by:
+            self.made_by.update((o, e) for e in self.eqns for o in e.outvars)
+        _evaluate(self.ctx, self.made_by[v], self, self.made)
+        return self.made[v]
 
 
 def _fuses(ctx: Context, chain, eqns, env) -> bool:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.experimental import checkify
 import pytest
 from flax import nnx
 from conftest import BF16, F16, F32, all_eqns, rel_tol
@@ -1791,3 +1792,65 @@ def test_lean_rounds_a_float32_mask_bias_to_the_low_dtype_saturated(low):
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got[:, :, 1:], want[:, :, 1:], atol=4 * rel_tol(low))
     np.testing.assert_allclose(got.sum(-1), 1.0, rtol=rel_tol(low))
+
+
+# --- a print or a check changes nothing autocast computes -------------------------
+
+
+def _scores(q, k, v, observe):
+    s = q @ k.T  # up to 8e4 raw: inf in float16, unless the scale moves onto q and k
+    observe(s)
+    return jax.nn.softmax(s / 8.0, axis=-1) @ v
+
+
+def _silu_mlp(w1, x, w2, observe):
+    a = jax.nn.silu(x @ w1)  # fused between its two products
+    observe(a)
+    return jnp.mean(a @ w2) * 65536.0  # a loss scaler's scale
+
+
+def _residual(x, w, observe):
+    o = x @ w
+    observe(o)
+    return x + o  # reads the product's float32 accumulator
+
+
+def _observed_args(name):
+    k = jax.random.split(jax.random.key(0), 3)
+    if name == "scores":
+        q, kk = (jax.random.normal(key, (4, 64)) * 6 + 35 for key in k[:2])
+        return _scores, (q, kk, jax.random.normal(k[2], (4, 64)))
+    if name == "silu":
+        x, w1 = jax.random.normal(k[0], (8, 32)) * 20, jax.random.normal(k[1], (32, 64)) * 2
+        return _silu_mlp, (w1, x, jax.random.normal(k[2], (64, 8)) / 8)
+    return _residual, (jax.random.normal(k[0], (16, 64)), jax.random.normal(k[1], (64, 64)) / 8)
+
+
+@pytest.mark.parametrize("name", ["scores", "silu", "residual"])
+def test_printing_a_value_changes_nothing_autocast_computes(name):
+    # autocast's rewrites (a scale moved onto a product's operands, an activation
+    # between two products computed as one, a residual sum of the float32
+    # accumulator) want a value read once; a print or a checkify check of it is
+    # no reader, and sees the value the program holds, as a float32 program's.
+    f, args = _observed_args(name)
+    seen = []
+
+    def printed(x):
+        jax.debug.callback(lambda v: seen.append(np.asarray(v)), x)
+
+    def checked(x):
+        checkify.check(jnp.all(jnp.isfinite(x)), "not finite")
+
+    run = lambda observe: jax.jit(jax.value_and_grad(mpjax.autocast(  # noqa: E731
+        lambda *a: jnp.sum(f(*a, observe)))))(*args)  # fmt: skip
+    plain = run(lambda x: None)
+    chex.assert_trees_all_equal(run(printed), plain)
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(plain))
+    want = []
+    jax.jit(lambda *a: f(*a, lambda x: jax.debug.callback(lambda v: want.append(v), x)))(*args)
+    # float32, rounded as the 16-bit program rounds it (not inf, nor scaled by 2**e)
+    assert seen[0].dtype == F32
+    np.testing.assert_allclose(seen[0], want[0], rtol=2e-2, atol=2e-2 * np.max(np.abs(want[0])))
+    err, checked_out = checkify.checkify(lambda: run(checked))()
+    err.throw()  # no check fails: the value checked is finite
+    chex.assert_trees_all_equal(checked_out, plain)
