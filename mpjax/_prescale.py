@@ -107,15 +107,32 @@ def find(jaxpr, fused, known=None) -> dict[int, tuple[int, int]]:
     out = {}
     for j, position in scales:
         eqn = eqns[j]
-        v = eqn.invars[1 - position]
-        i = made_by.get(v)
-        if i is None or eqns[i].primitive.name != "dot_general" or reads[v] != 1:
+        i = _product_of(eqn.invars[1 - position], eqns, made_by, reads)
+        if i is None:
             continue
         constant = float(_value(eqn.invars[position], known))
         e = _exponent(constant if eqn.primitive.name == "mul" else 1 / constant)
         if e:
             out[i] = (j, e)
     return out
+
+
+def _product_of(v, eqns, made_by, reads) -> int | None:
+    """The index of the dot_general whose result `v` is, read once, through names
+    (``checkpoint_name``) and converts that keep its dtype (a weak type made
+    strong), each read once too; else None."""
+    while _is_var(v) and reads[v] == 1 and (i := made_by.get(v)) is not None:
+        eqn = eqns[i]
+        if eqn.primitive.name == "dot_general":
+            return i
+        kept = eqn.primitive.name == "name" or (
+            eqn.primitive.name == "convert_element_type"
+            and eqn.invars[0].aval.dtype == eqn.outvars[0].aval.dtype
+        )
+        if not kept:
+            return None
+        v = eqn.invars[0]
+    return None
 
 
 def readers(jaxpr, observing=frozenset()) -> Counter:

@@ -1854,3 +1854,26 @@ def test_printing_a_value_changes_nothing_autocast_computes(name):
     err, checked_out = checkify.checkify(lambda: run(checked))()
     err.throw()  # no check fails: the value checked is finite
     chex.assert_trees_all_equal(checked_out, plain)
+
+
+@pytest.mark.parametrize("written", ["checkpoint_name", "weak_inputs"])
+def test_the_scale_of_attention_scores_moves_through_a_name_or_a_weak_types_convert(written):
+    # (q @ k.T) of 78400 is inf in float16; scaled by 1/8 it is 9800. The scale
+    # moves onto q and k through checkpoint_name (saved by its name, as a checkpoint
+    # policy asks) and through the convert jnp puts after a weak-typed product.
+    from jax.ad_checkpoint import checkpoint_name
+
+    if written == "checkpoint_name":
+        q = jnp.full((4, 64), 35.0, F32)
+        scores = lambda q, k: checkpoint_name(q @ k.T, "scores") / 8.0  # noqa: E731
+    else:
+        q = jnp.full((4, 64), 35.0)  # weak-typed
+        scores = lambda q, k: (q @ k.T) / jnp.sqrt(64).astype(F32)  # noqa: E731
+    k, v = q + 0.5, jnp.linspace(0.5, 1.5, 256).reshape(4, 64)
+    f = jax.checkpoint(lambda q, k, v: jnp.sum(jax.nn.softmax(scores(q, k)) @ v),
+                       policy=jax.checkpoint_policies.save_only_these_names("scores"))  # fmt: skip
+    np.testing.assert_allclose(jax.jit(mpjax.autocast(scores))(q, k), scores(q, k), rtol=1e-3)
+    value, grads = jax.jit(jax.value_and_grad(mpjax.autocast(f), (0, 1, 2)))(q, k, v)
+    want_value, want_grads = jax.value_and_grad(f, (0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(value, want_value, rtol=1e-3)
+    chex.assert_trees_all_close(grads, want_grads, rtol=2e-2, atol=1e-3)
