@@ -39,8 +39,12 @@ def computes_float32(eqn) -> bool:
 
 
 def primitives(eqns, members) -> int:
-    """How many primitives ``eqns[i]`` for `members` are, a jit's its body's."""
-    return sum(len(b.eqns) if (b := _body(eqns[i])) is not None else 1 for i in members)
+    """How many primitives ``eqns[i]`` for `members` are, a jit's its body's (a
+    jit of ``jax.nn.silu``, itself a jit, counts silu's)."""
+    return sum(
+        primitives(b.eqns, range(len(b.eqns))) if (b := _body(eqns[i])) is not None else 1
+        for i in members
+    )
 
 
 def _body(eqn):

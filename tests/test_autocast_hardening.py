@@ -1803,10 +1803,16 @@ def _scores(q, k, v, observe):
     return jax.nn.softmax(s / 8.0, axis=-1) @ v
 
 
-def _silu_mlp(w1, x, w2, observe):
-    a = jax.nn.silu(x @ w1)  # fused between its two products
-    observe(a)
-    return jnp.mean(a @ w2) * 65536.0  # a loss scaler's scale
+def _silu_mlp_of(act):
+    def f(w1, x, w2, observe):
+        a = act(x @ w1)  # fused between its two products
+        observe(a)
+        return jnp.mean(a @ w2) * 65536.0  # a loss scaler's scale
+
+    return f
+
+
+_silu_mlp = _silu_mlp_of(jax.nn.silu)
 
 
 def _residual(x, w, observe):
@@ -1877,3 +1883,18 @@ def test_the_scale_of_attention_scores_moves_through_a_name_or_a_weak_types_conv
     want_value, want_grads = jax.value_and_grad(f, (0, 1, 2))(q, k, v)
     np.testing.assert_allclose(value, want_value, rtol=1e-3)
     chex.assert_trees_all_close(grads, want_grads, rtol=2e-2, atol=1e-3)
+
+
+def test_a_jit_of_jax_nn_silu_fuses_as_silu_does():
+    # jax.nn.silu is a jit; a jit around it is a jit of a jit, still one activation
+    # between two products: its derivative in float32, no inf * 0 at a loss scale.
+    _, args = _observed_args("silu")
+    losses = {"silu": _silu_mlp, "jit(silu)": _silu_mlp_of(jax.jit(jax.nn.silu))}
+    grads = {
+        name: jax.jit(jax.grad(mpjax.autocast(functools.partial(f, observe=lambda x: None))))(
+            *args
+        )
+        for name, f in losses.items()
+    }
+    chex.assert_trees_all_equal(grads["jit(silu)"], grads["silu"])
+    assert np.all(np.isfinite(grads["silu"]))
