@@ -193,6 +193,13 @@ LAYOUT = frozenset({
 })
 # fmt: on
 
+# Each moves the elements of its first input without computing: a 16-bit activation's
+# elements moved and then widened are moved from its float32 copy (`mpjax._scope`).
+MOVES_ELEMENTS = frozenset({
+    "reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "slice", "rev",
+    "copy", "copy_p", "gather", "dynamic_slice",
+})  # fmt: skip
+
 # A parameter stays one through these, and through the all_gather of its shards
 # (FSDP under shard_map): its products' gradients are float32 sums (`mpjax.fusions`).
 CARRY_PARAMETERS = LAYOUT | frozenset({"all_gather", "all_gather_invariant"})
