@@ -203,7 +203,7 @@ def _float32_sums(eqn, vals, targets, ctx, weak):
     Each floating input runs in its target dtype (its own if none). If any of
     those is 16-bit, the primitive runs at float32 on the same values (the
     16-bit inputs upcast, exactly) and the results that would have been 16-bit
-    are rounded to that dtype. A float32 value that the policy would round to 16
+    are rounded to that dtype, but for a sum over devices (`policy.DEVICE_SUMS`). A float32 value that the policy would round to 16
     bits (an embedding table, lean policy) is used as it is where the primitive
     does no arithmetic, since rounding commutes with moving values: the table's
     gradient then stays float32 all the way. Linear primitives and
@@ -223,7 +223,8 @@ def _float32_sums(eqn, vals, targets, ctx, weak):
         x if t is None or (b and exact and dtype_of(x) == F32) else ctx.scope.cast(x, t, w)
         for x, t, w, b in zip(vals, targets, weak, is_low)
     ]
-    if id(eqn) in ctx.float32_sums:  # a mean's sum, divided next (`fusions.find`)
+    device_sum = eqn.primitive.name in policy.DEVICE_SUMS and not ctx.region.lean
+    if device_sum or id(eqn) in ctx.float32_sums:  # or a mean's sum (`fusions.find`)
         rounds_to = [None] * len(eqn.outvars)
     elif positional:  # each result has its input's dtype (psum, pvary of several values)
         rounds_to = [d if b else None for d, b in zip(runs_in, is_low)]
@@ -388,10 +389,7 @@ def _convert_rule(ctx, eqn, vals, weak):
 
 def _largest(sizes):
     """The largest of `sizes`; of symbolic sizes that cannot be ordered, the first."""
-    out = sizes[0]
-    for n in sizes[1:]:
-        out = n if fewer(out, n) else out
-    return out
+    return functools.reduce(lambda out, n: n if fewer(out, n) else out, sizes)
 
 
 def _cast_all(ctx, vals, targets, weak, clamp=False) -> list:

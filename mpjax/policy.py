@@ -155,6 +155,10 @@ SUMMING = frozenset({
 FLOAT32_SUMS = SUMMED_BY_AUTODIFF | SUMMING
 """Primitives run at float32 when the policy would run them on 16-bit values."""
 
+# Sums over devices: float32, as `reduce_sum`'s, under the default policy (n devices'
+# sum of values 16 bits hold may not fit in 16 bits); the lean policy rounds them.
+DEVICE_SUMS = frozenset({"psum", "psum_invariant", "psum_scatter", "reduce_scatter"})
+
 # The collectives among them sum across devices. ``autocast(..., reduce_dtype=dtype)``
 # asks for those all-reduces in 16 bits, for the bandwidth: they then run as received.
 COLLECTIVE_SUMS = frozenset({

@@ -372,6 +372,42 @@ def test_collectives_sum_in_float32_unless_reduce_dtype_asks(low):
     )
 
 
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (conftest)")
+@pytest.mark.parametrize("collective", ["psum", "psum_scatter"])
+def test_a_sum_over_devices_hands_on_float32_as_a_sum_over_an_axis_does(collective, low):
+    # A row-parallel layer: each device's product (16000) fits in float16, the sum
+    # of eight (128000) does not. Rounded back to 16 bits it was inf, and its
+    # gradient through a tanh exactly 0; jnp.sum of the same products is float32.
+    x, w = jnp.full((8, 4), 100.0), jnp.full((4, 8), 40.0)
+
+    def body(x, w):
+        if collective == "psum":
+            return lax.psum(x @ w, "d")
+        return lax.psum_scatter(x @ w, "d", scatter_dimension=1, tiled=True)
+
+    spec = P() if collective == "psum" else P(None, "d")
+    parallel = jax.shard_map(body, mesh=_mesh(), in_specs=(P("d"), P()), out_specs=spec)
+
+    def loss(w, x):  # scaled, as a loss scaler would: its cotangents are normal numbers
+        return 1024 * jnp.sum(jnp.tanh(parallel(x, w) / 128000))
+
+    want = jax.jit(parallel)(x, w)
+    got = jax.jit(mpjax.autocast(parallel, dtype=low))(x, w)
+    assert got.dtype == F32
+    np.testing.assert_array_equal(got, want)  # 16-bit products, exact here; summed in float32
+    chex.assert_trees_all_close(
+        jax.jit(jax.grad(mpjax.autocast(loss, dtype=low)))(w, x),
+        jax.grad(loss)(w, x),
+        rtol=1e-2,
+    )
+    # The one exception: a 16-bit all-reduce, asked for.
+    asked = mpjax.autocast(parallel, dtype=low, reduce_dtype=low)
+    names = {"psum": ("psum", "psum_invariant"), "psum_scatter": ("psum_scatter", "reduce_scatter")}
+    eqns = all_eqns(jax.make_jaxpr(asked)(x, w))
+    sums = [e for e in eqns if e.primitive.name in names[collective]]
+    assert sums and all(_is_16_bit(e.invars[0]) for e in sums)
+
+
 def test_vmap_inside_autocast_or_grad_inside_vmap_sums_in_float32(low):
     # The documented ways to batch: an unbatched 16-bit activation (tanh(s @ w))
     # meets batched ones; its gradient's sum over the batch stays float32.
