@@ -274,12 +274,26 @@ def _nonfinite_flags(config: ScalerConfig, tree, subtrees, scale, read=None):
     if config.axis_name is not None:
         # Every device must take the same branch, or replicas drift apart.
         local = [nonfinite[None]] + ([by_subtree] if subtrees else [])
-        total = lax.psum(jnp.concatenate(local).astype(jnp.int32), config.axis_name)
+        total = _psum_over(config, jnp.concatenate(local).astype(jnp.int32))
         nonfinite = total[0] > 0
         if subtrees:
             by_subtree = total[1:] > 0
     _check_agreed(config, nonfinite, scale)
     return nonfinite, SubtreeFlags(names, by_subtree) if subtrees else subtrees
+
+
+def _psum_over(config: ScalerConfig, x):
+    """`x` summed over the scaler's `axis_name`, or a ValueError naming it where no
+    such axis is bound (JAX's own error names a psum the user never wrote)."""
+    try:
+        return lax.psum(x, config.axis_name)
+    except (NameError, AssertionError) as e:
+        raise ValueError(
+            f"{config.name}(..., axis_name={config.axis_name!r}): no mapped axis of that "
+            "name is bound where update runs. Call update inside shard_map (or pmap, or "
+            "vmap with axis_name=...) over a mesh with that axis; under jax.jit with "
+            "sharded arrays leave axis_name=None: the check covers every device already."
+        ) from e
 
 
 def _check_agreed(config: ScalerConfig, flag, scale) -> None:

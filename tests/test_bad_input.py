@@ -40,6 +40,7 @@ remaining inputs.
 | ``enabled`` or ``check_updates`` other than True / False (``"false"`` from a config file, ``None``, ``0.0``) | ValueError naming the argument |
 | settings as 0-d JAX or NumPy arrays (``init_scale=jnp.float32(4.0)``)  | taken as the numbers they hold; a traced one is a ValueError: settings are fixed when the scaler is built (``set_scale`` changes the scale) |
 | ``grad_scaler`` without ``axis_name`` inside ``shard_map`` on gradients that differ between devices, with a state they share | ValueError naming the mesh axes and ``axis_name`` |
+| ``grad_scaler(..., axis_name="data")`` where no mapped axis of that name is bound (a mesh of other names, a sharded ``jit``, an eager call) | ValueError naming ``axis_name`` and where to call ``update`` |
 | hyperparameters out of range (``growth_factor``, ``backoff_factor``, ``growth_interval``, ``init_scale``, ``min_scale``, ``accumulation_steps``, static ``scale``, ``set_scale``'s ``new_scale``) | ValueError naming the function, the argument, the valid range and the value given |
 | a restored scale that is a float64 / float16 / bfloat16 / int / NumPy / Python scalar | accepted: the step is bit-identical to the one from a float32 scale and the new state's scale is a float32 scalar again |
 | the same, read with ``get_scale`` / ``scaler_stats`` before any step | returned as a float32 scalar, as documented |

@@ -566,6 +566,17 @@ def test_a_partial_axis_name_is_refused_with_the_missing_axes():
         jax.jit(step)(params, state, params)
 
 
+def test_an_axis_name_no_mesh_binds_is_refused_naming_the_argument():
+    tx = mpjax.grad_scaler(optax.adam(1e-3), axis_name="data")
+    params = {"w": jnp.ones((8, 4))}
+    state = tx.init(params)
+    mesh = jax.make_mesh((N_DEV,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+    in_shard_map = jax.shard_map(tx.update, mesh=mesh, in_specs=P(), out_specs=P())
+    for update in (jax.jit(in_shard_map), jax.jit(tx.update), tx.update):
+        with pytest.raises(ValueError, match=r"grad_scaler\(\.\.\., axis_name='data'\).*shard_map"):
+            update(params, state, params)
+
+
 @pytest.mark.parametrize("low", [jnp.float16, jnp.bfloat16])
 def test_a_product_left_unreduced_adds_float32_partial_sums_across_devices(low):
     from jax.sharding import AxisType, reshard
