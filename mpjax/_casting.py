@@ -45,22 +45,33 @@ def is_concrete(x) -> bool:
     return isinstance(x, (np.ndarray, np.generic))
 
 
-def convert(x, dtype: np.dtype, saturate: bool):
-    """Casts `x`; a saturating cast maps finite values out of range to +-max.
+SENTINEL = 2.0**12
+"""How many times the 16-bit maximum a value must be to be taken for a mask's fill
+(``-1e9``, ``jnp.finfo(jnp.float32).min``) rather than data (`convert`'s `sentinels`)."""
+
+
+def convert(x, dtype: np.dtype, saturate: bool, sentinels: bool = False):
+    """Casts `x`; a saturating cast maps finite values out of range to +-max. With
+    `sentinels`, only those at least `SENTINEL` times the maximum: a mask's fill
+    becomes -65504 in float16, where 1e5, a value, overflows to inf as it would cast
+    by hand, loud rather than wrong.
 
     Infinities and NaN pass through a saturating cast unchanged: a ``-inf`` the
     user wrote (a mask) means -inf, not -65504.
     """
     numpy_value = is_concrete(x)
-    if saturate and jnp.finfo(dtype).max < jnp.finfo(dtype_of(x)).max:
+    if (saturate or sentinels) and jnp.finfo(dtype).max < jnp.finfo(dtype_of(x)).max:
         # The bound in x's dtype, rounded down: 65504 in bfloat16 rounds up to 65536.
         hi = _largest_below(jnp.finfo(dtype).max, dtype_of(x))
+        far = min(float(jnp.finfo(dtype).max) * SENTINEL, float(jnp.finfo(dtype_of(x)).max))
+        xp = np if numpy_value else jnp
+        kept = xp.isfinite(x) if saturate else xp.isfinite(x) & (xp.abs(x) >= far)
         if numpy_value:  # a literal
-            return np.where(np.isfinite(x), np.clip(x, -hi, hi), x).astype(dtype)
-        # Computed from literals, so XLA folds it. The select is made in `dtype`:
-        # a value autocast holds in 16 bits stays 16 bits wide in the program.
+            return np.where(kept, np.clip(x, -hi, hi), x).astype(dtype)
+        # Computed from literals (or a mask), so XLA folds it. The select is made in
+        # `dtype`: a value autocast holds in 16 bits stays 16 bits wide in the program.
         clamped = lax.convert_element_type(lax.clamp(-hi, x, hi), dtype)
-        return lax.select(lax.is_finite(x), clamped, lax.convert_element_type(x, dtype))
+        return lax.select(kept, clamped, lax.convert_element_type(x, dtype))
     if numpy_value:
         return np.asarray(x).astype(dtype)
     return _compat.convert_element_type(x, dtype)

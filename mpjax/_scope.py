@@ -95,9 +95,10 @@ class Scope:
     def cast(self, x, dtype, weak: bool = False, clamp: bool = False):
         """`x` cast to `dtype`, once. Weak values are constants the user wrote for
         float32 (a -1e9 mask): saturated rather than overflow to inf in float16.
-        So is a float32 value with `clamp`: the lean policy's operand outvoted by
-        a 16-bit activation (a ``finfo(float32).min`` mask is then -65504, as a
-        model cast by hand writes it, not -inf, which makes a masked row NaN)."""
+        So are a float32 value's mask fills with `clamp` (`convert`'s sentinels):
+        the lean policy's operand outvoted by a 16-bit activation (a
+        ``finfo(float32).min`` mask is then -65504, as a model cast by hand writes
+        it, not -inf, which makes a masked row NaN)."""
         if dtype_of(x) == dtype:
             return x
         dtype = np.dtype(dtype)
@@ -114,7 +115,7 @@ class Scope:
         else:
             if key[0] in self._invariant and len(key) == 2:
                 self.requests.append((x, dtype, weak))
-            y = convert(x, dtype, saturate=weak or clamp)
+            y = convert(x, dtype, saturate=weak, sentinels=clamp)
         self._casts[key] = (x, y)  # the key's object is kept alive with its id
         return y
 

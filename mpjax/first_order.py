@@ -96,7 +96,7 @@ def policy_rule(ctx, eqn, vals, weak):
         outs = _float32_sums(eqn, vals, targets, ctx, weak)
         if outs is not None:
             return outs
-    clamp = lean and rule is Rule.WIDEST  # a float32 operand outvoted: saturated
+    clamp = lean and rule is Rule.WIDEST  # a float32 operand outvoted: its mask fills saturated
     if low is not None and eqn.primitive.name in policy.IMPLICIT_BROADCAST:
         outs = _broadcast_in_float32(ctx, eqn, vals, targets, weak, clamp)
         if outs is not None:
@@ -331,7 +331,7 @@ def _broadcast_in_float32(ctx, eqn, vals, targets, weak, clamp=False):
 
             def primal(v, low=low, dims=dims):  # rounded (`Scope.cast`), then broadcast
                 sat = clamp and dtype_of(v) == F32
-                return [broadcast(convert(v, low, sat), broadcast_dimensions=dims)]
+                return [broadcast(convert(v, low, False, sat), broadcast_dimensions=dims)]
 
             def tangent(t, low=low, dims=dims):  # broadcast at float32, then rounded
                 t = broadcast(convert(t, F32, False), broadcast_dimensions=dims)
@@ -352,11 +352,13 @@ def _float32_inside(ctx, eqn, vals, low):
     primitive too (``log1p(exp(x))`` stays float32 throughout). An elementwise
     primitive is rematerialized, so its backward pass keeps only the low-precision
     input, not float32 copies: the residuals of the hand-cast model. A reduction's
-    output is smaller than its input, so it stays float32.
+    output is smaller than its input, so it stays float32; so does a running sum's
+    (`cumsum`), whose later elements 16 bits would round as a sum of 16-bit terms.
     """
     in_size = _largest([size(x) for x in vals])
     reduces = all(fewer(size(v.aval), in_size) for v in eqn.outvars)
-    keep_f32 = reduces or all(v in ctx.float32_only for v in eqn.outvars)
+    running = eqn.primitive.name in policy.RUNNING_SUMS
+    keep_f32 = reduces or running or all(v in ctx.float32_only for v in eqn.outvars)
 
     # A 16-bit result of the program (user's float16 in a bfloat16 region) stays so.
     hand_on = [v.aval.dtype if v.aval.dtype in policy.LOW_DTYPES else low for v in eqn.outvars]

@@ -77,6 +77,9 @@ FLOAT32 = _table(Rule.FLOAT32, [
     "reduce_window_sum",
 ])
 
+# Scans that accumulate: their results stay float32 under the lean policy too.
+RUNNING_SUMS = frozenset({"cumsum", "cumprod", "cumlogsumexp"})
+
 # Several floating inputs that must agree: promote to the widest.
 WIDEST = _table(Rule.WIDEST, [
     "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "atan2",
@@ -155,12 +158,9 @@ SUMMING = frozenset({
 FLOAT32_SUMS = SUMMED_BY_AUTODIFF | SUMMING
 """Primitives run at float32 when the policy would run them on 16-bit values."""
 
-# Sums over devices: float32, as `reduce_sum`'s, under the default policy (n devices'
-# sum of values 16 bits hold may not fit in 16 bits); the lean policy rounds them.
+# Sums over devices hand on float32 (default policy), as `reduce_sum` does. All these
+# collectives run as received under ``autocast(..., reduce_dtype=dtype)``, 16 bits asked.
 DEVICE_SUMS = frozenset({"psum", "psum_invariant", "psum_scatter", "reduce_scatter"})
-
-# The collectives among them sum across devices. ``autocast(..., reduce_dtype=dtype)``
-# asks for those all-reduces in 16 bits, for the bandwidth: they then run as received.
 COLLECTIVE_SUMS = frozenset({
     "all_gather", "all_gather_invariant", "pvary", "pbroadcast", "psum", "psum_invariant",
     "psum_scatter", "reduce_scatter",

@@ -1794,6 +1794,49 @@ def test_lean_rounds_a_float32_mask_bias_to_the_low_dtype_saturated(low):
     np.testing.assert_allclose(got.sum(-1), 1.0, rtol=rel_tol(low))
 
 
+@pytest.mark.parametrize("fill", [-1e9, -1e30])
+def test_lean_saturates_other_mask_fills_too(fill):
+    x, w = jnp.ones((2, 8)), jnp.ones((8, 8))
+    bias = jnp.where(jnp.arange(8) < 4, 0.0, jnp.float32(fill))
+    got = mpjax.autocast(lambda x, w, b: x @ w + b, policy="lean")(x, w, bias)
+    np.testing.assert_array_equal(got[:, 4:], -65504.0)  # float16's lowest, not -inf
+
+
+def test_lean_overflows_a_float32_value_beyond_16_bits_rather_than_saturate_it():
+    # A bias of 1e5 (a regression's target mean) is a value, not a mask's fill:
+    # saturated to 65504 the loss was finite and 1000x off, its gradient of the
+    # wrong sign, and a loss scaler applied the step. Overflowed, the loss is inf,
+    # as under the default policy and in a model cast by hand: loud, and skipped.
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    x, y = jax.random.normal(k1, (256, 64)), 1e5 + 1e3 * jax.random.normal(k2, (256, 1))
+    params = (0.05 * jax.random.normal(k3, (64, 1)), jnp.array([1e5]))
+
+    def mse(p, x, y):
+        w, b = p
+        return jnp.mean((x @ w + b - y) ** 2)
+
+    loss, grads = jax.value_and_grad(mpjax.autocast(mse, policy="lean"))(params, x, y)
+    assert not np.isfinite(loss) and not np.all(np.isfinite(grads[1]))
+
+
+def test_lean_keeps_a_running_sum_float32(low):
+    # A decay's log, summed along a sequence (Mamba-2's segment sums): its later
+    # elements reach -2500, where 16 bits hold only whole multiples of 2 (float16)
+    # or 16 (bfloat16), and the differences of neighbours were rounded away.
+    k1, k2, k3 = jax.random.split(jax.random.key(7), 3)
+    x, w = jax.random.normal(k1, (4096, 32)), 0.1 * jax.random.normal(k2, (32, 1))
+    r = jax.random.normal(k3, (4095,))
+
+    def loss(w, x):
+        cs = jnp.cumsum(-jnp.abs((x @ w)[:, 0]))
+        return jnp.sum(jnp.exp(cs[1:] - cs[:-1]) * r)
+
+    lean = mpjax.autocast(loss, dtype=low, policy="lean")
+    (scan,) = [e for e in all_eqns(jax.make_jaxpr(lean)(w, x)) if e.primitive.name == "cumsum"]
+    assert scan.outvars[0].aval.dtype == F32
+    np.testing.assert_allclose(lean(w, x), mpjax.autocast(loss, dtype=low)(w, x), rtol=1e-6)
+
+
 # --- a print or a check changes nothing autocast computes -------------------------
 
 
