@@ -157,9 +157,11 @@ def fast_compile_options() -> dict:
 @contextlib.contextmanager
 def equation_context(eqn):
     """Binds under `eqn`'s user traceback, name scope and context (an `auto_axes`
-    region's mesh), as `jax.core.eval_jaxpr` does: errors point at the user's line."""
+    region's mesh), as `jax.core.eval_jaxpr` does: errors point at the user's line,
+    for an equation of a library's jit (`jnp.linalg.cholesky`'s) its caller's."""
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    traceback = eqn.source_info.traceback
+    own = source_info_util.summarize(eqn.source_info)  # "" where no frame is the user's
+    traceback = eqn.source_info.traceback if own else source_info_util.current().traceback
     with source_info_util.user_context(traceback, name_stack=name_stack), eqn.ctx.manager:
         yield
 
@@ -209,8 +211,7 @@ def custom_jvp_rule(params, zeros):
 
     Returns ``(jaxpr, consts, leading, out_zeros)``: the jaxpr maps ``(*leading,
     *primals, *nonzero_tangents)`` (jax 0.12's detached consts lead) to
-    ``(*primal_outs, *nonzero_tangent_outs)``; ``out_zeros[i]``: the i-th is zero.
-    """
+    ``(*primal_outs, *nonzero_tangent_outs)``; ``out_zeros[i]``: the i-th is zero."""
     jaxpr, consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(*zeros)
     if len(jaxpr.constvars) < len(consts):
         return jaxpr, [], list(consts), list(out_zeros)
@@ -303,8 +304,7 @@ def custom_vmap_parts(params):
 
     Returns ``(call, rule)``: `call`, the closed jaxpr of the function over the flat
     inputs; ``rule(axis_size, in_batched, args)`` runs the user's rule on flat inputs
-    (batch axis first) to ``(flat_outs, flat_out_batched)``, as JAX's batching does.
-    """
+    (batch axis first) to ``(flat_outs, flat_out_batched)``, as JAX's batching does."""
     in_tree, rule = params["in_tree"], params["rule"]
 
     def flat_rule(axis_size, in_batched, args):

@@ -89,6 +89,15 @@ def _forward(run, layers) -> list[str]:
         beyond = f", beyond {run.dtype}'s {largest:.4g}" if layer.max_abs > largest else ""
         text += f"; in float32 its values reach {layer.max_abs:.3g}{beyond}"
     where = f"`{o.module}`" if o.module else f"the code at {o.source}"
+    if o.in_dtypes and set(o.in_dtypes + o.out_dtypes) <= {"float32", "float64"}:
+        # It ran in float32 already: what differs from the float32 run is its input.
+        return [
+            text + f". It ran in float32: its inputs differ from the float32 run's, "
+            f"computed in {run.dtype} before it (a matrix product's result, rounded), and "
+            "it needs them exact (a Gram matrix X @ X.T that rounding leaves indefinite "
+            "has no Cholesky factor, for one). Keep the code computing its inputs, and "
+            f"{where}, in float32 with a nested `mpjax.autocast(fn, enabled=False)`."
+        ]
     text += (
         ". Loss scaling cannot fix the forward pass. Keep "
         f"{where} in float32 with a nested `mpjax.autocast(fn, enabled=False)`"

@@ -147,11 +147,23 @@ def _library_path(path: str) -> str:
     return short_path(path)
 
 
-def where(eqn) -> Where:
+def where(eqn, callers=()) -> Where:
     """Frames innermost first: the first outside JAX and mpjax is the library line
     (if in an installed package), the first outside any package the user's line.
     Frames beyond `mpjax.diagnose`'s own call of the loss are the caller's: not
-    the loss's lines."""
+    the loss's lines. An equation of a library's jitted function
+    (``jnp.linalg.cholesky``'s) has no user frame: it takes that of the innermost
+    of its `callers` (the equations calling the jaxprs it is in) that has one."""
+    found = _where(eqn)
+    for call in reversed(callers):
+        if found.file:
+            break
+        outer = _where(call)
+        found = outer._replace(library=found.library or outer.library)
+    return found
+
+
+def _where(eqn) -> Where:
     frames = getattr(eqn.source_info.traceback, "frames", None) or ()
     library = ""
     for frame in frames:
@@ -191,6 +203,7 @@ class Event(NamedTuple):
     ins: list
     outs: list
     inside: str  # "" or where in an opaque unit it was found ("scan step 3")
+    callers: tuple = ()  # the equations calling the jaxprs it is in, outermost first
 
 
 def _last_uses(jaxpr) -> dict[int, set]:
@@ -223,7 +236,7 @@ class Walk:
         reported as forward. None: every argument may carry it."""
         return self._run(jaxpr, consts, args, prefix, backward, inside, seeded)[0]
 
-    def _run(self, jaxpr, consts, args, prefix, backward, inside, seeded):
+    def _run(self, jaxpr, consts, args, prefix, backward, inside, seeded, callers=()):
         env = {}
         seeded = [True] * len(args) if seeded is None else seeded
 
@@ -248,7 +261,7 @@ class Walk:
             back = (backward or is_backward(own)) and any(in_seeded)
             vals = [x for x, _, _ in ins]
             in_stats = tuple(s for _, s, _ in ins if s is not None)
-            done = self._eval(eqn, vals, stack, back, inside, in_seeded)
+            done = self._eval(eqn, vals, stack, back, inside, in_seeded, callers)
             if done is None:  # not recursed into: a unit of its own
                 with _compat.equation_context(eqn):
                     outs = _evaluate(eqn, vals)
@@ -261,7 +274,10 @@ class Walk:
                 elif inputs_finite:  # its 16-bit values are measured too (the loss scale's)
                     self._zoom(eqn, vals, stack, back, measure=True)
                 self.observe(
-                    Event(eqn, stack, back, inputs_finite, in_stats, floats, vals, outs, inside)
+                    Event(
+                        eqn, stack, back, inputs_finite, in_stats, floats, vals, outs, inside,
+                        callers,
+                    )
                 )
             else:
                 outs, out_seeded = done
@@ -271,15 +287,15 @@ class Walk:
         outs = [read(v) for v in jaxpr.outvars]
         return [o for o, _, _ in outs], [d for _, _, d in outs]
 
-    def _eval(self, eqn, vals, stack, back, inside, seeded):
+    def _eval(self, eqn, vals, stack, back, inside, seeded, callers):
         """(outputs, their seed flags) of a call or `cond` evaluated equation by
         equation, else None."""
-        name = eqn.primitive.name
+        name, callers = eqn.primitive.name, (*callers, eqn)
         if name == "cond":
             branches = eqn.params["branches"]
             index = int(np.clip(np.asarray(vals[0]), 0, len(branches) - 1))
             jaxpr, consts = _compat.jaxpr_and_consts(branches[index])
-            return self._run(jaxpr, consts, vals[1:], stack, back, inside, seeded[1:])
+            return self._run(jaxpr, consts, vals[1:], stack, back, inside, seeded[1:], callers)
         if name not in _CALLS:
             return None
         subs = _compat.sub_jaxprs(eqn.params)
@@ -288,7 +304,7 @@ class Walk:
         jaxpr, consts = _compat.jaxpr_and_consts(subs[0])
         if len(jaxpr.invars) != len(vals) or len(jaxpr.outvars) != len(eqn.outvars):
             return None
-        return self._run(jaxpr, consts, vals, stack, back, inside, seeded)
+        return self._run(jaxpr, consts, vals, stack, back, inside, seeded, callers)
 
     def _zoom(self, eqn, vals, stack, back, measure=False):
         """A scan run again, one iteration at a time: to report the equation inside

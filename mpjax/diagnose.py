@@ -197,7 +197,7 @@ class _Collector:
         phase = "backward" if event.backward else "forward"
         finite = all(s.finite for s in event.out_stats)
         if not finite and event.inputs_finite:
-            where = dw.where(event.eqn)
+            where = dw.where(event.eqn, event.callers)
             module = dw.module_path(event.stack)  # a line runs once per layer
             at = (phase, event.eqn.primitive.name, module, where.file, where.line)
             self.nonfinite_at.add(at)
@@ -205,7 +205,7 @@ class _Collector:
                 self.origins[phase] = _origin(event, phase)
         if not event.out_stats or _OWN_SCOPE in event.stack:
             return
-        key = dw.module_path(event.stack) or _line_key(event.eqn)
+        key = dw.module_path(event.stack) or _line_key(event)
         if key is None:  # the gradient's seed, outside the loss
             return
         if event.backward:
@@ -235,10 +235,10 @@ def _add(row: _Row, event: dw.Event, scale: float) -> None:
         row.cast_flushed += int(np.count_nonzero(nonzero & (after == 0)))
 
 
-def _line_key(eqn) -> str | None:
+def _line_key(event: dw.Event) -> str | None:
     """A row for an equation outside any named module: its source line (None for
     those of the step around the loss: the seed of the gradient, the scaling)."""
-    where = dw.where(eqn)
+    where = dw.where(event.eqn, event.callers)
     if not where.file:
         return None
     return f"{where.function} ({dw.short_path(where.file)}:{where.line})"
@@ -252,7 +252,7 @@ def _origin(event: dw.Event, phase: str) -> Origin:
             a = np.asarray(o).astype(np.float64)
             produced |= {"inf"} if np.isinf(a).any() else set()
             produced |= {"nan"} if np.isnan(a).any() else set()
-    where = dw.where(eqn)
+    where = dw.where(eqn, event.callers)
     return Origin(
         phase=phase,
         primitive=eqn.primitive.name,

@@ -119,6 +119,30 @@ def test_forward_overflow_names_the_primitive_module_and_line(forward_report):
     assert layers["Transformer/block_1/mlp"].max_abs > 65504  # float32's value
 
 
+def _gaussian_process_nll(p, y):
+    x = p["x"]
+    gram = x @ x.T + 1e-2 * jnp.eye(x.shape[0])
+    chol = jnp.linalg.cholesky(gram)  # CHOLESKY
+    return 0.5 * y @ jax.scipy.linalg.cho_solve((chol, True), y) + jnp.sum(jnp.log(jnp.diag(chol)))
+
+
+def test_a_float32_operation_made_nan_by_16_bit_inputs_is_found_at_the_users_line():
+    # bfloat16 rounds the Gram matrix indefinite; the Cholesky factor, in float32,
+    # is NaN. The factorization runs inside jnp.linalg's own jit, whose equations
+    # carry no line of the user's: they take the call's. And the advice is to keep
+    # the products before it in float32 too, not only what already ran there.
+    k1, k2 = jax.random.split(jax.random.key(1))
+    x, y = jax.random.normal(k1, (64, 4)), jax.random.normal(k2, (64,))
+    report = mpjax.diagnose(_gaussian_process_nll, {"x": x}, y, dtype=jnp.bfloat16)
+    origin = report.runs[0].forward
+    assert origin.primitive == "cholesky" and origin.produced == "nan"
+    assert (origin.file, origin.line) == (__file__, _line("CHOLESKY"))
+    assert origin.in_dtypes == ("float32",)
+    (text,) = report.recommendations
+    assert "ran in float32" in text and "computing its inputs" in text
+    assert f"test_diagnose.py:{_line('CHOLESKY')}" in text
+
+
 def test_backward_only_overflow_is_reported_apart():
     # The forward pass is the identity; its gradient is 1000 times too large. JAX
     # traces a custom_jvp rule apart: its equations point at the call.
