@@ -114,6 +114,10 @@ class AuditReport:
             lines.append(
                 "no product runs in 16 bits: audit the function autocast returns "
                 "(audit(autocast(f), ...)), or one that calls it"
+                if self.casts_inserted is None
+                else "no product runs in 16 bits: autocast ran each as written, as it runs "
+                "a product given a precision (jnp.linalg's and jax.scipy's ask for "
+                "HIGHEST), a float32 or float64 result, or an integer operand"
             )
         return "\n".join(lines)
 

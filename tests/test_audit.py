@@ -208,3 +208,12 @@ def test_a_sparse_product_is_named_not_counted_as_a_share():
     text = str(mpjax.audit(mpjax.autocast(lambda m, x: jnp.tanh(m @ x).sum()), m, jnp.ones((8, 4))))
     assert "100.0%" not in text and "none, no dense product or convolution" in text
     assert "not counted: bcoo_dot_general, run as traced" in text
+
+
+def test_no_16_bit_product_says_why_for_an_autocast_function_and_for_another():
+    a = 2 * jnp.eye(4)
+    # jnp.linalg asks its products for HIGHEST precision: autocast keeps them as written.
+    kept = str(mpjax.audit(mpjax.autocast(jnp.linalg.inv), a)).splitlines()[-1]
+    assert "autocast ran each as written" in kept and "HIGHEST" in kept
+    plain = str(mpjax.audit(lambda a: a @ a, a)).splitlines()[-1]
+    assert "audit the function autocast returns" in plain
