@@ -206,6 +206,10 @@ class Event(NamedTuple):
     callers: tuple = ()  # the equations calling the jaxprs it is in, outermost first
 
 
+def _read(env, v):
+    return np.asarray(v.val, dtype=v.aval.dtype) if isinstance(v, _compat.Literal) else env[v]
+
+
 def _last_uses(jaxpr) -> dict[int, set]:
     """Equation index -> the variables it reads for the last time (not outputs)."""
     last = {}
@@ -271,8 +275,10 @@ class Walk:
                 inputs_finite = all(s.finite for s in in_stats)
                 if inputs_finite and not all(s.finite for s in floats):
                     self._zoom(eqn, vals, stack, back)  # first, so the inner equation is seen first
+                    self._shard_map(eqn, vals, stack, back, callers)
                 elif inputs_finite:  # its 16-bit values are measured too (the loss scale's)
                     self._zoom(eqn, vals, stack, back, measure=True)
+                    self._shard_map(eqn, vals, stack, back, callers)
                 self.observe(
                     Event(
                         eqn, stack, back, inputs_finite, in_stats, floats, vals, outs, inside,
@@ -305,6 +311,38 @@ class Walk:
         if len(jaxpr.invars) != len(vals) or len(jaxpr.outvars) != len(eqn.outvars):
             return None
         return self._run(jaxpr, consts, vals, stack, back, inside, seeded, callers)
+
+    def _shard_map(self, eqn, vals, stack, back, callers):
+        """The equations of a `shard_map` body, each reported on the values it had on
+        every device (stacked along a new first axis): an inf inside that its outputs
+        hide (a tanh after it) is found there."""
+        if eqn.primitive.name != "shard_map":
+            return
+        jaxpr, consts = _compat.jaxpr_and_consts(eqn.params["jaxpr"])
+        kwargs = _compat.shard_map_kwargs(eqn.params)
+        axes = tuple(a for a in kwargs["mesh"].axis_names if a in kwargs["axis_names"])
+        held = [*jaxpr.invars, *(v for e in jaxpr.eqns for v in e.outvars)]
+
+        def body(*args):
+            env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+            for e in jaxpr.eqns:
+                with _compat.equation_context(e):
+                    env.update(zip(e.outvars, _compat.bind(e, *(_read(env, v) for v in e.invars))))
+            return tuple(env[v][None] for v in held)
+
+        kwargs.update(out_specs=(jax.sharding.PartitionSpec(axes),) * len(held))
+        values = dict(zip(held, jax.jit(jax.shard_map(body, **kwargs))(*vals)))
+        for e in jaxpr.eqns:
+            ins = [_read(values, v) for v in e.invars]
+            outs = [values[v] for v in e.outvars]
+            in_stats = tuple(s for s in map(stats, ins) if s is not None)
+            floats = tuple(s for s in map(stats, outs) if s is not None)
+            finite = all(s.finite for s in in_stats)
+            inner = f"{stack}/{_compat.name_stack(e)}".strip("/")
+            self.observe(
+                Event(e, inner, back, finite, in_stats, floats, ins, outs, "inside shard_map",
+                      (*callers, eqn))
+            )
 
     def _zoom(self, eqn, vals, stack, back, measure=False):
         """A scan run again, one iteration at a time: to report the equation inside

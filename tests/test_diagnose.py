@@ -16,6 +16,7 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 import mpjax
 from mpjax._diagnose_advice import HEADROOM
@@ -141,6 +142,26 @@ def test_a_float32_operation_made_nan_by_16_bit_inputs_is_found_at_the_users_lin
     (text,) = report.recommendations
     assert "ran in float32" in text and "computing its inputs" in text
     assert f"test_diagnose.py:{_line('CHOLESKY')}" in text
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (conftest)")
+def test_an_overflow_inside_a_shard_map_is_found_inside():
+    # The product overflows on every device, but the tanh after it hides the inf:
+    # the shard_map's outputs are finite, only its body shows where.
+    mesh = jax.make_mesh((8,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def body(w, x):
+        return lax.pmean(jnp.mean(jnp.tanh((x @ w) * 1e-6)), "i")  # SHARDED PRODUCT
+
+    def loss(p, x):
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("i")), out_specs=P())
+        return mapped(p["w"], x)
+
+    report = mpjax.diagnose(loss, {"w": jnp.full((4, 4), 400.0)}, jnp.full((8, 4), 100.0))
+    origin = report.runs[0].forward
+    assert origin.primitive == "dot_general" and origin.inside == "inside shard_map"
+    assert (origin.file, origin.line) == (__file__, _line("SHARDED PRODUCT"))
+    assert "enabled=False" in report.recommendations[0]
 
 
 def test_backward_only_overflow_is_reported_apart():
