@@ -113,3 +113,75 @@ def observing(eqns, outvars) -> frozenset[int]:
         ):
             found.add(i)
     return frozenset(found)
+
+
+# Primitives a factorized matrix passes through on its way (`factorized`): a Gram
+# matrix plus a multiple of the identity, an RBF kernel's exp(-|x - y|^2), reshaped.
+_TO_FACTORIZATION = policy.POINTWISE | policy.LAYOUT | frozenset(
+    {"add_any", "convert_element_type", "stop_gradient"}
+)
+_CALLS = policy.JITS | frozenset({"closed_call", "custom_jvp_call", "custom_vjp_call"})
+
+
+def factorized(jaxpr) -> frozenset[int]:
+    """ids of the matrix products of `jaxpr` whose results only linear algebra reads
+    (`policy.FACTORIZATIONS`, through elementwise and layout primitives and into
+    nested jits: ``jnp.linalg.cholesky(x @ x.T + noise * eye)``). Rounded to 16 bits,
+    a Gram matrix loses its positive definiteness (an eigenvalue of 0.01 became
+    -0.06 in bfloat16), and its Cholesky factor is NaN: such a product runs as written."""
+    eqns = jaxpr.eqns
+    readers = _reader_indices(jaxpr)
+    return frozenset(
+        id(e)
+        for e in eqns
+        if e.primitive.name == "dot_general"
+        and all(_only_factorized(v, eqns, readers) for v in e.outvars)
+    )
+
+
+def _reader_indices(jaxpr) -> dict:
+    readers: dict = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, _compat.Literal):
+                readers.setdefault(v, []).append(i)
+    for v in jaxpr.outvars:
+        if not isinstance(v, _compat.Literal):
+            readers.setdefault(v, []).append(OUTPUT)
+    return readers
+
+
+def _only_factorized(v, eqns, readers) -> bool:
+    """Whether every path from `v` ends in a factorization (an unread value: none)."""
+    stack, seen = [v], set()
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if not readers.get(u):
+            return False
+        for i in readers[u]:
+            eqn = eqns[i] if i != OUTPUT else None
+            name = eqn.primitive.name if eqn is not None else None
+            if name in policy.FACTORIZATIONS:
+                continue
+            if name in _TO_FACTORIZATION:
+                stack.extend(eqn.outvars)
+            elif name not in _CALLS or not _body_factorizes(eqn, u):
+                return False
+    return True
+
+
+def _body_factorizes(eqn, v) -> bool:
+    """Whether the body `eqn` calls reads its operand `v` only to factorize it."""
+    bodies = _compat.sub_jaxprs(eqn.params)
+    if len(bodies) != 1:
+        return False
+    body = _compat.jaxpr_and_consts(bodies[0])[0]
+    if len(body.invars) != len(eqn.invars):
+        return False
+    readers = _reader_indices(body)
+    return all(
+        _only_factorized(w, body.eqns, readers) for w, u in zip(body.invars, eqn.invars) if u is v
+    )

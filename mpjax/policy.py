@@ -197,21 +197,23 @@ LAYOUT = frozenset({
 })
 # fmt: on
 
-# Each moves the elements of its first input without computing: a 16-bit activation's
-# elements moved and then widened are moved from its float32 copy (`mpjax._scope`).
+# Each moves its first input's elements: widened, from its float32 copy (`mpjax._scope`).
 MOVES_ELEMENTS = frozenset({
     "reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "slice", "rev",
     "copy", "copy_p", "gather", "dynamic_slice",
 })  # fmt: skip
+
+# Linear algebra that needs its matrix exact: a matrix product only these read runs as written.
+FACTORIZATIONS = frozenset({"cholesky", "lu", "qr", "eigh", "eig", "svd", "schur", "hessenberg",
+                            "triangular_solve", "tridiagonal_solve", "custom_linear_solve"})
 
 # A parameter stays one through these, and through the all_gather of its shards
 # (FSDP under shard_map): its products' gradients are float32 sums (`mpjax.fusions`).
 CARRY_PARAMETERS = LAYOUT | frozenset({"all_gather", "all_gather_invariant"})
 
 # The memory-lean policy changes these rules. An embedding lookup gathers from a
-# low-precision table, so the activations it starts are low precision. (Of a
-# float32 parameter only: a gather of data, a quantile's, keeps its rule,
-# `mpjax.first_order.policy_rule`.)
+# low-precision table (of a float32 parameter only: a gather of data, a quantile's,
+# keeps its rule, `mpjax.first_order.policy_rule`).
 LEAN_OVERRIDES: dict[str, Rule] = {"gather": Rule.LOW}
 
 assert len(POLICY) == (len(LOW_PRECISION) + len(FLOAT32) + len(WIDEST) + len(AS_RECEIVED)), (
@@ -370,8 +372,7 @@ def float32_only_consumers(jaxpr, outputs=frozenset(), elsewhere=lambda eqn: Fal
     return frozenset(v for v, rules in readers.items() if rules == {Rule.FLOAT32})
 
 
-JITS = frozenset({"jit", "pjit"})
-"""A nested jit's primitive, by its name on each supported jax."""
+JITS = frozenset({"jit", "pjit"})  # a nested jit's primitive, by its name on each jax
 
 _CALLS = JITS | frozenset({"closed_call", "core_call", "checkpoint", "remat2"})
 

@@ -1837,6 +1837,48 @@ def test_lean_keeps_a_running_sum_float32(low):
     np.testing.assert_allclose(lean(w, x), mpjax.autocast(loss, dtype=low)(w, x), rtol=1e-6)
 
 
+def _gram_nll(x, y):
+    gram = x @ x.T + 1e-2 * jnp.eye(x.shape[0])
+    chol = jnp.linalg.cholesky(gram)
+    return 0.5 * y @ jax.scipy.linalg.cho_solve((chol, True), y) + jnp.sum(jnp.log(jnp.diag(chol)))
+
+
+def _rbf_nll(x, y):
+    sq = jnp.sum(x**2, -1)
+    gram = jnp.exp(-0.125 * (sq[:, None] + sq[None, :] - 2 * x @ x.T)) + 1e-3 * jnp.eye(len(x))
+    return jnp.linalg.slogdet(gram)[1] + y @ jnp.linalg.solve(gram, y)
+
+
+def _ridge(x, y):
+    return jnp.sum(jnp.linalg.solve(x.T @ x + jnp.eye(x.shape[1]), x.T @ y[:, None]) ** 2)
+
+
+@pytest.mark.parametrize("fun", [_gram_nll, _rbf_nll, _ridge], ids=["gram", "rbf", "ridge"])
+def test_a_product_only_a_factorization_reads_runs_as_written(fun):
+    # Rounded to bfloat16, the Gram matrix of 64 points was indefinite (an
+    # eigenvalue of 0.01 became -0.06): its Cholesky factor, loss and gradient NaN.
+    k1, k2 = jax.random.split(jax.random.key(1))
+    x, y = jax.random.normal(k1, (64, 4)), jax.random.normal(k2, (64,))
+    auto = mpjax.autocast(fun, dtype=BF16)
+    np.testing.assert_allclose(jax.jit(auto)(x, y), jax.jit(fun)(x, y), rtol=1e-6)
+    chex.assert_trees_all_close(
+        jax.jit(jax.grad(auto))(x, y), jax.jit(jax.grad(fun))(x, y), rtol=1e-5, atol=1e-5
+    )
+    products = [e for e in all_eqns(jax.make_jaxpr(auto)(x, y)) if e.primitive.name == "dot_general"]
+    assert products and all(e.invars[0].aval.dtype == F32 for e in products)
+
+
+def test_a_product_a_factorization_and_another_operation_read_stays_16_bit():
+    def fun(x, w):
+        h = x @ w  # a layer's product: read by the next layer too
+        return jnp.linalg.slogdet(h.T @ h + jnp.eye(4))[1] + jnp.sum(jnp.tanh(h))
+
+    x, w = jax.random.normal(jax.random.key(0), (32, 8)), jnp.ones((8, 4))
+    (layer, gram) = [e for e in all_eqns(jax.make_jaxpr(mpjax.autocast(fun))(x, w))
+                     if e.primitive.name == "dot_general"]
+    assert layer.outvars[0].aval.dtype == F16 and gram.outvars[0].aval.dtype == F32
+
+
 # --- a print or a check changes nothing autocast computes -------------------------
 
 

@@ -124,12 +124,13 @@ def _gaussian_process_nll(p, y):
     x = p["x"]
     gram = x @ x.T + 1e-2 * jnp.eye(x.shape[0])
     chol = jnp.linalg.cholesky(gram)  # CHOLESKY
-    return 0.5 * y @ jax.scipy.linalg.cho_solve((chol, True), y) + jnp.sum(jnp.log(jnp.diag(chol)))
+    fit = 0.5 * y @ jax.scipy.linalg.cho_solve((chol, True), y) + jnp.sum(jnp.log(jnp.diag(chol)))
+    return fit + 1e-3 * jnp.trace(gram)  # read by more than the factorization: 16 bits
 
 
 def test_a_float32_operation_made_nan_by_16_bit_inputs_is_found_at_the_users_line():
-    # bfloat16 rounds the Gram matrix indefinite; the Cholesky factor, in float32,
-    # is NaN. The factorization runs inside jnp.linalg's own jit, whose equations
+    # bfloat16 rounds the Gram matrix indefinite (its trace reads it too, so its
+    # product runs in 16 bits); the Cholesky factor, in float32, is NaN. The factorization runs inside jnp.linalg's own jit, whose equations
     # carry no line of the user's: they take the call's. And the advice is to keep
     # the products before it in float32 too, not only what already ran there.
     k1, k2 = jax.random.split(jax.random.key(1))
