@@ -27,6 +27,7 @@ from mpjax import _leaves
 from mpjax import _linen
 from mpjax import _marks
 from mpjax import _nnx
+from mpjax import _pytree_fun
 from mpjax import _trace_cache
 from mpjax import control_flow  # noqa: F401  (registers the higher-order rules)
 from mpjax import custom_rules  # noqa: F401  (registers the custom-derivative rules)
@@ -90,12 +91,12 @@ def autocast(
     `fun` (a print, a counter) run once per new signature, not at every call.
 
     Calls nest: inside an autocast function, ``autocast(g, enabled=False)`` runs
-    `g` exactly as written and ``autocast(g, dtype=jnp.bfloat16)`` runs it in
-    bfloat16.
+    `g` as written and ``autocast(g, dtype=jnp.bfloat16)`` runs it in bfloat16.
 
     Args:
-      fun: the function to transform, or an NNX module (what it writes is kept).
-        Omit it to use ``autocast(dtype=...)`` as a decorator.
+      fun: the function, an NNX module (what it writes is kept), or an Equinox one
+        (a pytree, so is its autocast: a model holding ``autocast(mlp)`` trains
+        ``mlp``). Omit it to use ``autocast(dtype=...)`` as a decorator.
       dtype: ``jnp.float16`` (default) or ``jnp.bfloat16``; ``jnp.float32`` if not `enabled`.
       enabled: if False, `fun` runs as written (and so does any region nested in
         it that does not enable autocast again).
@@ -222,6 +223,8 @@ def _wrap(fun, region: Region, enabled: bool):
     bound = _nnx.bound_module(fun)
     if bound is not None:
         return _wrap_module(fun, bound, region, enabled)
+    if _pytree_fun.holds_arrays(fun):  # an Equinox module: a pytree of its own
+        return _pytree_fun.PytreeFunction(fun, _wrap(_pytree_fun.call, region, enabled))
 
     cache = _trace_cache.TraceCache()  # eager calls: one trace per argument signature
 

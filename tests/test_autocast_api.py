@@ -558,3 +558,41 @@ def test_a_primitive_bound_under_grad_is_not_reused_at_other_shapes():
     jax.grad(lambda x: jnp.sum(mpjax.autocast(digitized)(x)))(x)
     got = jax.jit(jax.grad(lambda x: jnp.sum(mpjax.autocast(interpolated)(x))))(x)
     chex.assert_trees_all_close(got, jax.grad(lambda x: jnp.sum(interpolated(x)))(x), rtol=1e-6)
+
+
+@jax.tree_util.register_pytree_node_class
+class _Layer:
+    """A callable pytree, as an Equinox module is."""
+
+    def __init__(self, w, b):
+        self.w, self.b = w, b
+
+    def __call__(self, x):
+        return jnp.tanh(x @ self.w + self.b)
+
+    def tree_flatten(self):
+        return (self.w, self.b), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+
+def test_autocast_of_a_callable_pytree_is_a_pytree_whose_parameters_train():
+    # Stored as a model's field (Equinox's `self.mlp = autocast(mlp)`), a plain
+    # function would hide the layer's arrays: no gradient for them, no training.
+    k1, k2 = jax.random.split(jax.random.key(0))
+    layer = _Layer(jax.random.normal(k1, (8, 4)), jnp.zeros(4))
+    x = jax.random.normal(k2, (16, 8))
+    model = {"layer": mpjax.autocast(layer, dtype=jnp.bfloat16)}
+    assert jax.tree.leaves(model) == [layer.w, layer.b]
+
+    def loss(model):
+        return jnp.mean(model["layer"](x) ** 2)
+
+    grads = jax.tree.leaves(jax.jit(jax.grad(loss))(model))  # the layer's w and b
+    want = jax.tree.leaves(jax.grad(lambda p: jnp.mean(p(x) ** 2))(layer))
+    assert [g.dtype for g in grads] == [jnp.float32] * 2
+    chex.assert_trees_all_close(grads, want, rtol=0.05, atol=1e-3)
+    report = mpjax.audit(model["layer"], x)
+    assert report.low_precision_fraction == 1.0 and report.casts_inserted
