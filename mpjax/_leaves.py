@@ -39,6 +39,9 @@ def check_returned(fun, x) -> None:
         held = True
     elif dataclasses.is_dataclass(x) and not isinstance(x, type):
         held = any(_traced(getattr(x, f.name, None)) for f in dataclasses.fields(x))
+    elif callable(x) and not isinstance(x, type):  # a closure, a bound method
+        owner = getattr(x, "__self__", None)
+        held = _traced([owner, *getattr(owner, "__dict__", {}).values(), *_closed_over(x)])
     else:
         held = any(_traced(v) for v in getattr(x, "__dict__", {}).values())
     if held:
@@ -47,8 +50,20 @@ def check_returned(fun, x) -> None:
             f"autocast({name}): it returned a {type(x).__name__}, which holds or yields "
             "arrays but is not a pytree: autocast cannot hand its arrays back. Register "
             "the class as a pytree (jax.tree_util.register_dataclass, "
-            "flax.struct.dataclass), or return the arrays in a tuple, list or dict."
+            "flax.struct.dataclass), or return the arrays in a tuple, list or dict "
+            "(a function: return the arrays it closes over, and make it outside)."
         )
+
+
+def _closed_over(fun) -> list:
+    """The values a function's closure cells hold (an unfilled cell: none)."""
+    out = []
+    for cell in getattr(fun, "__closure__", None) or ():
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:
+            pass
+    return out
 
 
 def _traced(value) -> bool:

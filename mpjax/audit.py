@@ -117,7 +117,9 @@ class AuditReport:
                 if self.casts_inserted is None
                 else "no product runs in 16 bits: autocast ran each as written, as it runs "
                 "a product given a precision (jnp.linalg's and jax.scipy's ask for "
-                "HIGHEST), a float32 or float64 result, or an integer operand"
+                "HIGHEST), a float32 or float64 result, an integer operand, one only a "
+                "factorization reads, and a jax.custom_vjp function (Equinox's checkpointed "
+                "while_loop, diffrax's solvers): docs/policy.md"
             )
         return "\n".join(lines)
 

@@ -142,6 +142,22 @@ def _differentiated(args, argnums):
     return [args[i] for i in nums if -len(args) <= i < len(args)]
 
 
+def _check_differentiable(args, argnums) -> None:
+    """A TypeError naming a differentiated leaf `jax.value_and_grad` cannot take (an
+    Equinox module's activation function), and the transforms that filter it out."""
+    nums = [argnums] if isinstance(argnums, int) else list(argnums)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(_differentiated(args, argnums))[0]:
+        if hasattr(leaf, "dtype") or isinstance(leaf, (bool, int, float, complex)):
+            continue
+        where = f"args[{nums[path[0].idx]}]{jax.tree_util.keystr(path[1:])}"
+        raise TypeError(
+            f"{_NAME}: {where} is a {type(leaf).__name__}, which jax.value_and_grad cannot "
+            "differentiate. For an Equinox model pass value_and_grad=eqx.filter_value_and_grad, "
+            "which differentiates its arrays alone; otherwise split the arrays off "
+            "(eqx.partition, or a pytree of the arrays) and differentiate those."
+        )
+
+
 def _pair(x) -> bool:
     return isinstance(x, (tuple, list)) and len(x) == 2
 
@@ -210,7 +226,8 @@ def _describe(x) -> str:
 
 
 def _value_and_grad_for(args, argnums, value_and_grad):
-    """The differentiation transform: NNX's for NNX modules, JAX's otherwise."""
+    """The differentiation transform: NNX's for NNX modules, JAX's otherwise (on
+    arguments it can differentiate)."""
     if value_and_grad not in (None, jax.value_and_grad):
         return value_and_grad
     nnx = sys.modules.get("flax.nnx")  # no NNX module can exist before flax.nnx is imported
@@ -221,4 +238,5 @@ def _value_and_grad_for(args, argnums, value_and_grad):
         )
     ):
         return nnx.value_and_grad
+    _check_differentiable(args, argnums)
     return jax.value_and_grad

@@ -149,13 +149,26 @@ def test_an_object_holding_arrays_that_is_no_pytree_is_refused_when_returned():
     class Out:
         y: object
 
+    class Layer:  # no pytree: its bound method holds the layer
+        def __init__(self, w):
+            self.w = w
+
+        def __call__(self, v):
+            return v @ self.w
+
     x = jnp.ones((2, 3))
-    for f in (lambda x: Out(x @ x.T), lambda x: (v for v in [x @ x.T])):
+    for f in (
+        lambda x: Out(x @ x.T),
+        lambda x: (v for v in [x @ x.T]),
+        lambda x: (lambda v: v @ x.T),  # a closure over a value of the trace
+        lambda x: Layer(x.T).__call__,
+    ):
         with pytest.raises(
             TypeError, match=r"autocast\(<lambda>\): .* not a pytree.*register_dataclass"
         ):
             mpjax.autocast(f)(x)
     assert mpjax.autocast(lambda x: (x.sum(), Out(5)))(x)[1] == Out(5)  # no arrays: as returned
+    assert mpjax.autocast(lambda x: (x.sum(), jnp.tanh))(x)[1] is jnp.tanh
 
 
 def test_shapes_given_to_a_call_name_the_argument_and_the_ways_to_shapes():
@@ -870,3 +883,15 @@ def test_float64_programs_run_untouched_values_and_gradients():
         chex.assert_trees_all_equal_dtypes(got, want)
         assert got[1].dtype == jnp.float64
         assert mpjax.audit(mpjax.autocast(f), w, x).casts_inserted == 0
+
+
+def test_a_differentiated_argument_holding_a_function_is_named_with_the_filtering_fix():
+    # An Equinox model holds its activation functions among its arrays.
+    state = mpjax.grad_scaler(optax.sgd(0.1)).init({"w": jnp.ones(3)})
+    model = {"w": jnp.ones(3), "act": jnp.tanh}
+
+    def loss(model, x):
+        return jnp.sum(model["act"](model["w"] * x))
+
+    with pytest.raises(TypeError, match=r"args\[0\]\['act'\] is a .*eqx.filter_value_and_grad"):
+        mpjax.scaled_value_and_grad(loss, state)(model, jnp.ones(3))
