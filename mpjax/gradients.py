@@ -126,13 +126,20 @@ def unscale(grads, scale: jax.Array):
     """
     inverse, tail = reciprocal(scale)
 
-    def one(g):
+    def one(path, g):
         if not jnp.issubdtype(jnp.result_type(g), jnp.inexact):
             return g  # float0 gradients of integer inputs
+        if any(getattr(k, "key", None) == _OVERWRITE_WITH_GRADIENT for k in path):
+            return g  # Flax fp8's new scales and amax histories, not gradients
         wide = jnp.promote_types(g.dtype, jnp.float32)
         return (g.astype(wide) * inverse * tail).astype(g.dtype)
 
-    return jax.tree.map(one, grads)
+    return jax.tree_util.tree_map_with_path(one, grads)
+
+
+# `flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT`: the collection whose "gradients" are
+# the new state of Flax's fp8 products, which the training step writes back as is.
+_OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 
 
 def _differentiated(args, argnums):

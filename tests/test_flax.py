@@ -649,3 +649,22 @@ def test_an_nnx_module_of_ref_backed_variables_is_refused_not_left_unwritten():
     with pytest.raises(TypeError, match=r"nnx\.var_defaults\(ref=True\).*without ref=True"):
         mpjax.autocast(lambda m, x: m(x))(bn, jnp.ones((2, 4)))
     assert float(jnp.abs(bn.mean[...]).max()) == 0.0
+
+
+def test_the_fp8_state_flax_returns_as_gradients_is_not_unscaled():
+    # Flax's fp8 products return their new scales and amax histories as the
+    # "gradients" of a collection the step writes back. Divided by the loss scale,
+    # the input scale became 1.5e-5 and the next forward pass was noise.
+    owg = "_overwrite_with_gradient"
+    x = 3.0 * jax.random.normal(jax.random.key(0), (8, 16))
+    model = nn.Dense(4, dot_general_cls=nn.Fp8DotGeneralOp)
+    variables = model.init(jax.random.key(1), x)
+    loss = mpjax.autocast(lambda v, x: jnp.sum(model.apply(v, x) ** 2))
+    state = mpjax.grad_scaler(optax.sgd(0.1), init_scale=2.0**10).init(variables["params"])
+    _, scaled = mpjax.scaled_value_and_grad(loss, state)(variables, x)
+    plain = jax.grad(loss)(variables, x)
+    forward = ("input_scale", "input_amax_history", "kernel_scale", "kernel_amax_history")
+    for name in forward:  # the forward pass's statistics know no loss scale
+        chex.assert_trees_all_equal(
+            scaled[owg]["Fp8DotGeneralOp_0"][name], plain[owg]["Fp8DotGeneralOp_0"][name]
+        )
