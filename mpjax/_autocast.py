@@ -235,6 +235,8 @@ def _wrap(fun, region: Region, enabled: bool):
                 return fun(*args, **kwargs)
             if _linen.in_module():
                 _linen.check_arguments(args, kwargs)
+                if _linen.initializing():  # creates the parameters, in float32 anyway
+                    return fun(*args, **kwargs)
                 with _linen.no_leaks():
                     return _autocast_call(fun, region, args, kwargs)
             if _nnx.has_nnx_objects((args, kwargs)):

@@ -36,6 +36,12 @@ def in_module() -> bool:
     return bool(stack) and stack[-1] is not None
 
 
+def initializing() -> bool:
+    """Whether the running Linen module is being initialized (``model.init``)."""
+    module = sys.modules["flax.linen.module"]._context.module_stack[-1]
+    return bool(module.is_initializing())
+
+
 _APPLY = (
     "Autocast its apply: mpjax.autocast(model.apply)(variables, x), with "
     "mutable=[...] for the collections it updates."

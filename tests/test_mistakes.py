@@ -16,7 +16,8 @@ correctly or stops at the first step with an error that names the fix.
 | the scaler's state made by ``init`` on Linen's whole ``variables``, updated with the gradients of ``variables["params"]`` | ValueError naming the gradient outside every subtree and ``variables['params']`` |
 | an NNX module with the default ``value_and_grad`` | differentiated with ``nnx.value_and_grad`` |
 | Linen ``TrainState.apply_gradients`` on a skipped step | the recipe below keeps ``step`` (and so the schedule) where it was |
-| ``@autocast`` on a Linen ``@nn.compact`` method, or an autocast closure creating Linen layers | TypeError / ValueError naming ``autocast(model.apply)`` (``init`` returned leaked tracers) |
+| ``@autocast`` on a Linen ``@nn.compact`` method | TypeError naming ``autocast(model.apply)`` (``init`` returned leaked tracers) |
+| an autocast closure creating Linen layers inside a module (``autocast(nn.Dense(4), dtype=jnp.bfloat16)(h)``) | ``init`` runs it as written, making the parameters; ``apply`` runs it under its policy |
 | a ``jax.custom_vjp`` whose inside should run in 16 bits | ``jax.custom_vjp(autocast(f))`` with ``defvjp(autocast(fwd), autocast(bwd))`` |
 """
 
@@ -517,8 +518,14 @@ def test_autocast_inside_a_linen_method_names_model_apply():
     x = jnp.ones((2, 4))
     with pytest.raises(TypeError, match=r"Linen module _DecoratedMethod.*autocast\(model\.apply\)"):
         _DecoratedMethod().init(jax.random.key(0), x)
-    with pytest.raises(ValueError, match=r"stored traced values.*autocast\(model\.apply\)"):
-        _ClosureCreatingLayers().init(jax.random.key(0), x)
+    # A region creating its layers runs as written at init, which only makes the
+    # parameters (float32 either way), and under its policy at apply.
+    creating = _ClosureCreatingLayers()
+    variables = creating.init(jax.random.key(0), x)
+    assert jax.tree.map(jnp.shape, variables) == {"params": {"Dense_0": {"bias": (3,), "kernel": (4, 3)}}}
+    dots = [e for e in all_eqns(jax.make_jaxpr(creating.apply)(variables, x).jaxpr)
+            if e.primitive.name == "dot_general"]
+    assert [v.aval.dtype for e in dots for v in e.invars] == [jnp.float16] * 2
     # Reading existing parameters inside a method traces nothing into the module: it
     # works, in 16 bits, with the gradients of the parameters it closes over.
     model = _ClosureOverBoundLayer()
