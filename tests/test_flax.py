@@ -651,6 +651,7 @@ def test_an_nnx_module_of_ref_backed_variables_is_refused_not_left_unwritten():
     assert float(jnp.abs(bn.mean[...]).max()) == 0.0
 
 
+@pytest.mark.filterwarnings("ignore:The Fp8DotGeneralOp is deprecated")
 def test_the_fp8_state_flax_returns_as_gradients_is_not_unscaled():
     # Flax's fp8 products return their new scales and amax histories as the
     # "gradients" of a collection the step writes back. Divided by the loss scale,
