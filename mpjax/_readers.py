@@ -6,6 +6,8 @@ as it has layers (a residual stream, an accumulator), deeper than Python's stack
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from mpjax import _compat, policy
 
 OUTPUT = -1
@@ -86,6 +88,21 @@ def lone_operands(eqns, readers) -> dict:
     }
 
 
+def reader_indices(eqns, outvars, skip=frozenset()) -> defaultdict:
+    """Each variable's readers: the indices of the equations reading it (but those in
+    `skip`), and `OUTPUT` for the jaxpr's outputs; none for an unread one."""
+    readers: defaultdict = defaultdict(list)
+    for i, eqn in enumerate(eqns):
+        if i not in skip:
+            for v in eqn.invars:
+                if not isinstance(v, _compat.Literal):
+                    readers[v].append(i)
+    for v in outvars:
+        if not isinstance(v, _compat.Literal):
+            readers[v].append(OUTPUT)
+    return readers
+
+
 OBSERVERS = frozenset({"debug_print", "debug_callback", "check"})
 """``jax.debug.print``, ``jax.debug.callback`` and ``checkify.check``: primitives
 that look at values and compute none the program reads."""
@@ -96,21 +113,15 @@ def observing(eqns, outvars) -> frozenset[int]:
     equations whose every result only they read (a check's predicate). autocast's
     rewrites count them as no readers, so that printing a value does not change
     what the program computes; they read what the program has (`mpjax.interpreter`)."""
-    readers: dict = {}
-    for i, eqn in enumerate(eqns):
-        for v in eqn.invars:
-            if not isinstance(v, _compat.Literal):
-                readers.setdefault(v, []).append(i)
-    outputs = {v for v in outvars if not isinstance(v, _compat.Literal)}
+    readers = reader_indices(eqns, outvars)
     found: set = set()
     for i in reversed(range(len(eqns))):
         eqn = eqns[i]
         if eqn.primitive.name in OBSERVERS:
             found.add(i)
         elif not eqn.effects and eqn.outvars and all(
-            v not in outputs and v in readers and all(r in found for r in readers[v])
-            for v in eqn.outvars
-        ):
+            v in readers and all(r in found for r in readers[v]) for v in eqn.outvars
+        ):  # an output's reader, OUTPUT, is never found
             found.add(i)
     return frozenset(found)
 
@@ -123,32 +134,19 @@ _TO_FACTORIZATION = policy.POINTWISE | policy.LAYOUT | frozenset(
 _CALLS = policy.JITS | frozenset({"closed_call", "custom_jvp_call", "custom_vjp_call"})
 
 
-def factorized(jaxpr) -> frozenset[int]:
+def factorized(eqns, readers) -> frozenset[int]:
     """ids of the matrix products of `jaxpr` whose results only linear algebra reads
     (`policy.FACTORIZATIONS`, through elementwise and layout primitives and into
     nested jits: ``jnp.linalg.cholesky(x @ x.T + noise * eye)``). Rounded to 16 bits,
     a Gram matrix loses its positive definiteness (an eigenvalue of 0.01 became
-    -0.06 in bfloat16), and its Cholesky factor is NaN: such a product runs as written."""
-    eqns = jaxpr.eqns
-    readers = _reader_indices(jaxpr)
+    -0.06 in bfloat16), and its Cholesky factor is NaN: such a product runs as written.
+    `readers`: `reader_indices`, without the equations that only observe."""
     return frozenset(
         id(e)
         for e in eqns
         if e.primitive.name == "dot_general"
         and all(_only_factorized(v, eqns, readers) for v in e.outvars)
     )
-
-
-def _reader_indices(jaxpr) -> dict:
-    readers: dict = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.invars:
-            if not isinstance(v, _compat.Literal):
-                readers.setdefault(v, []).append(i)
-    for v in jaxpr.outvars:
-        if not isinstance(v, _compat.Literal):
-            readers.setdefault(v, []).append(OUTPUT)
-    return readers
 
 
 def _only_factorized(v, eqns, readers) -> bool:
@@ -181,7 +179,7 @@ def _body_factorizes(eqn, v) -> bool:
     body = _compat.jaxpr_and_consts(bodies[0])[0]
     if len(body.invars) != len(eqn.invars):
         return False
-    readers = _reader_indices(body)
+    readers = reader_indices(body.eqns, body.outvars, observing(body.eqns, body.outvars))
     return all(
         _only_factorized(w, body.eqns, readers) for w, u in zip(body.invars, eqn.invars) if u is v
     )

@@ -100,6 +100,8 @@ class Fusions(NamedTuple):
     """By id of each mul and div, its operands nothing else reads (`_readers`)."""
     observing: frozenset = frozenset()
     """Indices of the equations that only observe (`_readers.observing`): no readers."""
+    factorized: frozenset = frozenset()
+    """ids of the products only linear algebra reads (`_readers.factorized`)."""
 
 
 NONE = Fusions()
@@ -119,14 +121,8 @@ def find(jaxpr, passed=None, passed_tables=None) -> Fusions:
     parameters reach it: a chunk of keys scanned over is no layer's weight)."""
     eqns = jaxpr.eqns
     observing = _readers.observing(eqns, jaxpr.outvars)
-    producer, readers = {}, defaultdict(list)
-    for i, eqn in enumerate(eqns):
-        producer.update((v, i) for v in eqn.outvars)
-        for v in filter(_is_var, eqn.invars):
-            if i not in observing:
-                readers[v].append(i)
-    for v in filter(_is_var, jaxpr.outvars):
-        readers[v].append(_OUTPUT)
+    producer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
+    readers = _readers.reader_indices(eqns, jaxpr.outvars, observing)
     args = arguments(jaxpr, passed)
     weights = args if passed_tables is None else arguments(jaxpr, passed_tables, joined=True)
     found = ((e, _bias.bias_product(e, eqns, producer, weights)) for e in eqns)
@@ -156,7 +152,8 @@ def find(jaxpr, passed=None, passed_tables=None) -> Fusions:
     float32_sums |= frozenset(id(e) for e in eqns if _readers.is_mean(e, eqns, readers))
     fused = (bias_adds, float32_sums, residual_sums, chains, frozenset(deferred))
     lone = _readers.lone_operands(eqns, readers)
-    return Fusions(*fused, args, accumulated, selects, lone, observing)
+    factorized = _readers.factorized(eqns, readers)
+    return Fusions(*fused, args, accumulated, selects, lone, observing, factorized)
 
 
 def _read_by_any(candidates, ids, eqns, readers) -> frozenset:

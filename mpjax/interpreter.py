@@ -30,7 +30,6 @@ from mpjax import _constants
 from mpjax import _pointwise
 from mpjax import _prescale
 from mpjax import _products
-from mpjax import _readers
 from mpjax import _reorder
 from mpjax import _shifts
 from mpjax import first_order
@@ -196,7 +195,6 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
     pools = _reorder.relu_pools(jaxpr, fused.observing) if jaxpr.eqns and not lean else {}
     relus = frozenset(pools.values())
     observe = _Observer(ctx, jaxpr.eqns, env, read, folds)
-    factorized = _readers.factorized(jaxpr) if ctx.region.dtype is not None else frozenset()
     for i, eqn in enumerate(jaxpr.eqns):
         if i in fused.observing:  # a print, a check: sees what the program holds
             _evaluate(ctx, eqn, observe, env)
@@ -221,7 +219,7 @@ def eval_jaxpr(ctx: Context, jaxpr, consts, args, weak) -> tuple[list, list[bool
                 rule = functools.partial(fusions.select, rule, fused.selects[j], read)
             else:
                 rule = folds.rule(j, rule)
-            if id(jaxpr.eqns[j]) in factorized:
+            if id(jaxpr.eqns[j]) in fused.factorized:
                 rule = functools.partial(_as_written, rule)
             _evaluate(ctx, jaxpr.eqns[j], read, env, rule)
     return [list(t) for t in zip(*map(read, jaxpr.outvars))] if jaxpr.outvars else ([], [])
