@@ -16,8 +16,7 @@ from mpjax import _leaves
 
 def holds_arrays(fun) -> bool:
     """Whether `fun` is a pytree with array leaves (not a plain function, a leaf)."""
-    leaves = jax.tree.leaves(fun)
-    return leaves != [fun] and any(_leaves.is_value(x) for x in leaves)
+    return any(_leaves.is_value(x) for x in jax.tree.leaves(fun) if x is not fun)
 
 
 def call(fun, *args, **kwargs):
