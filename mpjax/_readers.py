@@ -139,7 +139,7 @@ def factorized(eqns, readers) -> frozenset[int]:
     (`policy.FACTORIZATIONS`, through elementwise and layout primitives and into
     nested jits: ``jnp.linalg.cholesky(x @ x.T + noise * eye)``). Rounded to 16 bits,
     a Gram matrix loses its positive definiteness (an eigenvalue of 0.01 became
-    -0.06 in bfloat16), and its Cholesky factor is NaN: such a product runs as written.
+    negative in bfloat16), and its Cholesky factor is NaN: such a product runs as written.
     `readers`: `reader_indices`, without the equations that only observe."""
     return frozenset(
         id(e)

@@ -645,3 +645,14 @@ def test_diagnose_time_compares_mpjaxs_compile_options_with_xlas_defaults(monkey
     assert fast and seen == ["cleared", fast, "cleared", {}, "cleared", {}, "cleared", fast]
     assert out["fast_s"] > 0 and out["ratio"] == pytest.approx(out["fast_s"] / out["default_s"])
     assert "| `fast_compile_options` (mpjax) |" in capsys.readouterr().out
+
+
+def test_cases_print_float32_autocast_and_hand_cast_figures(capsys):
+    cases = importlib.import_module("benchmarks.cases")
+    figures = cases.lean_bias()
+    assert set(figures) == {"float32", "float16", "bfloat16"}
+    assert set(figures["float16"]) == {"lean", "hand-cast"}
+    # A bias of 1e5 overflows float16, as when cast by hand: loud, not saturated.
+    assert math.isinf(figures["float16"]["lean"]) and math.isinf(figures["float16"]["hand-cast"])
+    gp = cases.gaussian_process()
+    assert gp["bfloat16"]["autocast"] == pytest.approx(gp["float32"], rel=1e-5)
