@@ -5,6 +5,7 @@ it is, as the function gives or returns it without autocast."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 
 import jax
@@ -40,8 +41,7 @@ def check_returned(fun, x) -> None:
     elif dataclasses.is_dataclass(x) and not isinstance(x, type):
         held = any(_traced(getattr(x, f.name, None)) for f in dataclasses.fields(x))
     elif callable(x) and not isinstance(x, type):  # a closure, a bound method
-        owner = getattr(x, "__self__", None)
-        held = _traced([owner, *getattr(owner, "__dict__", {}).values(), *_closed_over(x)])
+        held = _traced([*parts(x), *parts(getattr(x, "__self__", None))])
     else:
         held = any(_traced(v) for v in getattr(x, "__dict__", {}).values())
     if held:
@@ -55,15 +55,34 @@ def check_returned(fun, x) -> None:
         )
 
 
-def _closed_over(fun) -> list:
-    """The values a function's closure cells hold (an unfilled cell: none)."""
-    out = []
-    for cell in getattr(fun, "__closure__", None) or ():
-        try:
-            out.append(cell.cell_contents)
-        except ValueError:
-            pass
-    return out
+def parts(x) -> list:
+    """What an object holds one level down: a container's items, a partial's function
+    and arguments, a callable's function (``f``), bound ``__self__`` and closure
+    cells, an object's attributes."""
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    if isinstance(x, dict):
+        return list(x.values())
+    if isinstance(x, functools.partial):
+        return [x.func, x.args, x.keywords]
+    fields = getattr(x, "__dict__", None) if not isinstance(x, type) else None
+    if not (callable(x) or hasattr(x, "call_wrapped")):  # a WrappedFun is not callable
+        return list(fields.values()) if isinstance(fields, dict) else []
+    cells = getattr(x, "__closure__", None) or ()
+    return [
+        getattr(x, "f", None),
+        getattr(x, "__self__", None),
+        *(c.cell_contents for c in cells if _filled(c)),
+        *(fields.values() if isinstance(fields, dict) else ()),
+    ]
+
+
+def _filled(cell) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:  # a cell not assigned yet
+        return False
+    return True
 
 
 def _traced(value) -> bool:

@@ -8,13 +8,12 @@ that program (closed over, or in ``nondiff_argnums``) cannot run again, and says
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax import _compat, _constants, _products, first_order, policy
+from mpjax import _compat, _constants, _leaves, _products, first_order, policy
 from mpjax._casting import dtype_of
 from mpjax.interpreter import HIGHER_ORDER, Context, eval_closed, eval_jaxpr
 
@@ -159,36 +158,9 @@ def _reads_stale(fun) -> bool:
             seen.add(id(x))
             if _compat.is_stale_tracer(x):
                 return True
-            parts.extend(_parts(x))
+            parts.extend(_leaves.parts(x))
         level = parts
     return False
-
-
-def _parts(x) -> list:
-    if isinstance(x, (list, tuple)):
-        return list(x)
-    if isinstance(x, dict):
-        return list(x.values())
-    if isinstance(x, functools.partial):
-        return [x.func, x.args, x.keywords]
-    fields = getattr(x, "__dict__", None) if not isinstance(x, type) else None
-    if not (callable(x) or hasattr(x, "call_wrapped")):  # a WrappedFun is not callable
-        return list(fields.values()) if isinstance(fields, dict) else []
-    cells = getattr(x, "__closure__", None) or ()
-    return [
-        getattr(x, "f", None),
-        getattr(x, "__self__", None),
-        *(c.cell_contents for c in cells if _filled(c)),
-        *(fields.values() if isinstance(fields, dict) else ()),
-    ]
-
-
-def _filled(cell) -> bool:
-    try:
-        _ = cell.cell_contents
-    except ValueError:  # a cell not assigned yet
-        return False
-    return True
 
 
 def _tangents_reach_sums(jaxpr, tangents) -> bool:
