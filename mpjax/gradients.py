@@ -142,21 +142,29 @@ def unscale(grads, scale: jax.Array):
 _OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 
 
-def _differentiated(args, argnums):
+def _positions(args, argnums) -> list[int]:
+    """The positions of the arguments `argnums` differentiates."""
     # An nnx.DiffState(argnum, filter) names its argument by `argnum`.
     single = isinstance(argnums, int) or hasattr(argnums, "argnum")
     nums = [getattr(n, "argnum", n) for n in ((argnums,) if single else argnums)]
-    return [args[i] for i in nums if -len(args) <= i < len(args)]
+    return [i for i in nums if -len(args) <= i < len(args)]
+
+
+def _differentiated(args, argnums):
+    return [args[i] for i in _positions(args, argnums)]
 
 
 def _check_differentiable(args, argnums) -> None:
     """A TypeError naming a differentiated leaf `jax.value_and_grad` cannot take (an
     Equinox module's activation function), and the transforms that filter it out."""
-    nums = [argnums] if isinstance(argnums, int) else list(argnums)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(_differentiated(args, argnums))[0]:
+    leaves = (
+        (f"args[{i}]{jax.tree_util.keystr(path)}", leaf)
+        for i in _positions(args, argnums)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]
+    )
+    for where, leaf in leaves:
         if hasattr(leaf, "dtype") or isinstance(leaf, (bool, int, float, complex)):
             continue
-        where = f"args[{nums[path[0].idx]}]{jax.tree_util.keystr(path[1:])}"
         raise TypeError(
             f"{_NAME}: {where} is a {type(leaf).__name__}, which jax.value_and_grad cannot "
             "differentiate. For an Equinox model pass value_and_grad=eqx.filter_value_and_grad, "
