@@ -275,9 +275,9 @@ class Walk:
                 inputs_finite = all(s.finite for s in in_stats)
                 if inputs_finite and not all(s.finite for s in floats):
                     self._zoom(eqn, vals, stack, back)  # first, so the inner equation is seen first
-                    self._shard_map(eqn, vals, stack, back, callers)
                 elif inputs_finite:  # its 16-bit values are measured too (the loss scale's)
                     self._zoom(eqn, vals, stack, back, measure=True)
+                if inputs_finite:  # a shard_map's inside, measured and searched alike
                     self._shard_map(eqn, vals, stack, back, callers)
                 self.observe(
                     Event(

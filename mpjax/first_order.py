@@ -203,13 +203,13 @@ def _float32_sums(eqn, vals, targets, ctx, weak):
     Each floating input runs in its target dtype (its own if none). If any of
     those is 16-bit, the primitive runs at float32 on the same values (the
     16-bit inputs upcast, exactly) and the results that would have been 16-bit
-    are rounded to that dtype, but for a sum over devices (`policy.DEVICE_SUMS`). A float32 value that the policy would round to 16
-    bits (an embedding table, lean policy) is used as it is where the primitive
-    does no arithmetic, since rounding commutes with moving values: the table's
-    gradient then stays float32 all the way. Linear primitives and
-    reduce_max/min on 16-bit values run as they are, with a float32 JVP.
-    Returns None when nothing runs in 16 bits, or no sum would be made.
-    """
+    are rounded to that dtype, but for a sum over devices (`policy.DEVICE_SUMS`).
+    A float32 value that the policy would round to 16 bits (an embedding table,
+    lean policy) is used as it is where the primitive does no arithmetic, since
+    rounding commutes with moving values: the table's gradient then stays float32
+    all the way. Linear primitives and reduce_max/min on 16-bit values run as they
+    are, with a float32 JVP. Returns None when nothing runs in 16 bits, or no sum
+    would be made."""
     runs_in = [t if t is not None else dtype_of(x) for x, t in zip(vals, targets)]
     is_low = [_is_low(d) for d in runs_in]
     lows = {np.dtype(d) for d, b in zip(runs_in, is_low) if b}

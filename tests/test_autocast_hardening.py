@@ -1861,7 +1861,9 @@ def _ridge(x, y):
 
 
 @pytest.mark.parametrize(
-    "fun", [_gram_nll, _rbf_nll, _ridge, _gram_nll_observed], ids=["gram", "rbf", "ridge", "observed"]
+    "fun",
+    [_gram_nll, _rbf_nll, _ridge, _gram_nll_observed],
+    ids=["gram", "rbf", "ridge", "observed"],
 )
 def test_a_product_only_a_factorization_reads_runs_as_written(fun):
     # Rounded to bfloat16, the Gram matrix of 64 points was indefinite (an
@@ -1873,7 +1875,8 @@ def test_a_product_only_a_factorization_reads_runs_as_written(fun):
     chex.assert_trees_all_close(
         jax.jit(jax.grad(auto))(x, y), jax.jit(jax.grad(fun))(x, y), rtol=1e-5, atol=1e-5
     )
-    products = [e for e in all_eqns(jax.make_jaxpr(auto)(x, y)) if e.primitive.name == "dot_general"]
+    eqns = all_eqns(jax.make_jaxpr(auto)(x, y))
+    products = [e for e in eqns if e.primitive.name == "dot_general"]
     assert products and all(e.invars[0].aval.dtype == F32 for e in products)
 
 
