@@ -4,7 +4,9 @@ activation, its result rounded once, and rematerialized for the backward pass.
 And the other elementwise rules that follow torch: the division by a float16
 value, whose derivative is taken as torch takes it; a 16-bit operand widened by a
 float32 one, kept for the backward pass in 16 bits; a factor 16 bits hold only
-rounded, applied in float32; and float32 tangents of linear functions.
+rounded, applied in float32; float32 tangents of linear functions and of a
+maximum; and a float32 function differentiated at the 16-bit values its inputs
+widen, so that the backward pass keeps those (`derived_from`).
 """
 
 from __future__ import annotations
@@ -104,6 +106,27 @@ def _evaluator(program, literals, out, low):
     return function
 
 
+def derived_from(fun, widened, narrow):
+    """``fun(*widened)``, differentiated at ``widened`` recomputed from `narrow`: the
+    16-bit values they widen exactly (or themselves, not widened). Its backward pass
+    keeps the 16-bit values, not float32 copies, while the cotangent of a widened
+    value stays float32, to be summed with its other readers' before it is
+    rounded once (a norm's ``mean(x * x) - mean(x) ** 2``, whose cotangents nearly
+    cancel on uncentred values)."""
+    dtypes = [dtype_of(w) for w in widened]
+
+    @jax.custom_jvp
+    def f(widened, narrow):
+        return fun(*widened)
+
+    @f.defjvp
+    def jvp(primals, tangents):
+        again = [convert(x, d, False) for x, d in zip(primals[1], dtypes)]
+        return jax.jvp(fun, again, list(tangents[0]))
+
+    return list(jax.checkpoint(f, prevent_cse=False)(list(widened), list(narrow)))
+
+
 def bind_quotient(eqn, x, y, **updates):
     """``x / y``, bound. JAX's derivative in a 16-bit divisor `y` squares it in its
     dtype (``y**-2``: 0 past 256 and inf below 2**-8 in float16); here it is
@@ -146,6 +169,30 @@ def float32_tangent(primal, tangent):
     def jvp(primals, tangents):
         ts = [t if policy.is_castable(dtype_of(p)) else p for p, t in zip(primals, tangents)]
         return fun(*primals), list(tangent(*ts))
+
+    return fun
+
+
+def chooser_float32_tangent(primal, axes):
+    """reduce_max or reduce_min as it is, with JAX's JVP (the tangents at the
+    maxima, averaged over ties) taken at float32: the ties are counted, and the
+    tangents summed, in float32. The backward pass keeps which entries are
+    maxima, as booleans."""
+    fun = jax.custom_jvp(primal)
+
+    @fun.defjvp
+    def jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        out = fun(x)
+        shape = [1 if i in axes else d for i, d in enumerate(np.shape(x))]
+        chosen = jax.lax.eq(x, jax.lax.reshape(out, shape))
+        counts = jax.lax.reduce_sum(convert(chosen, F32, False), tuple(axes))
+        t = convert(t, F32, False)
+        # t * 0 elsewhere, not 0: an inf or NaN tangent spreads as JAX's
+        # t * chosen makes it (a NaN under a max must reach the gradients).
+        picked = jax.lax.select(chosen, t, t * 0)
+        total = jax.lax.reduce_sum(picked, tuple(axes))
+        return out, convert(total / counts, dtype_of(out), False)
 
     return fun
 

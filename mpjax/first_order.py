@@ -247,36 +247,12 @@ def _float32_sums(eqn, vals, targets, ctx, weak):
     ):  # the forward pass as it is; only the derivative at float32
         primal = lambda *xs: _compat.bind(eqn, *xs)  # noqa: E731
         if eqn.primitive.name in _CHOOSERS:
-            chooser = _chooser_float32_tangent(lambda x: primal(x)[0], eqn.params["axes"])
+            chooser = _pointwise.chooser_float32_tangent(lambda x: primal(x)[0], eqn.params["axes"])
             return [chooser(*args)]
         return list(float32_tangent(primal, compute)(*args))
     if eqn.primitive.name in _KEEP_OPERAND:
         return list(jax.checkpoint(compute, prevent_cse=False)(*args))
     return compute(*args)
-
-
-def _chooser_float32_tangent(primal, axes):
-    """reduce_max or reduce_min as it is, with JAX's JVP (the tangents at the
-    maxima, averaged over ties) taken at float32: the ties are counted, and the
-    tangents summed, in float32. The backward pass keeps which entries are
-    maxima, as booleans."""
-    fun = jax.custom_jvp(primal)
-
-    @fun.defjvp
-    def jvp(primals, tangents):
-        (x,), (t,) = primals, tangents
-        out = fun(x)
-        shape = [1 if i in axes else d for i, d in enumerate(np.shape(x))]
-        chosen = jax.lax.eq(x, jax.lax.reshape(out, shape))
-        counts = jax.lax.reduce_sum(convert(chosen, F32, False), tuple(axes))
-        t = convert(t, F32, False)
-        # t * 0 elsewhere, not 0: an inf or NaN tangent spreads as JAX's
-        # t * chosen makes it (a NaN under a max must reach the gradients).
-        picked = jax.lax.select(chosen, t, t * 0)
-        total = jax.lax.reduce_sum(picked, tuple(axes))
-        return out, convert(total / counts, dtype_of(out), False)
-
-    return fun
 
 
 def _derivatives_sum_nothing(eqn, vals, weak) -> bool:
@@ -351,9 +327,12 @@ def _float32_inside(ctx, eqn, vals, low):
     It computes in float32 and hands `low` on, unless every reader is a float32-list
     primitive too (``log1p(exp(x))`` stays float32 throughout). An elementwise
     primitive is rematerialized, so its backward pass keeps only the low-precision
-    input, not float32 copies: the residuals of the hand-cast model. A reduction's
-    output is smaller than its input, so it stays float32; so does a running sum's
-    (`cumsum`), whose later elements 16 bits would round as a sum of 16-bit terms.
+    input, not float32 copies: the residuals of the hand-cast model. Every reader
+    widens the same float32 copy (`Scope.cast`), so that their cotangents add in
+    float32 and round once: a norm's ``mean(x * x) - mean(x) ** 2`` on values around
+    50 cancels two terms 50 times its result. A reduction's output is smaller than
+    its input, so it stays float32; so does a running sum's (`cumsum`), whose later
+    elements 16 bits would round as a sum of 16-bit terms.
     """
     in_size = _largest([size(x) for x in vals])
     reduces = all(fewer(size(v.aval), in_size) for v in eqn.outvars)
@@ -362,15 +341,15 @@ def _float32_inside(ctx, eqn, vals, low):
 
     # A 16-bit result of the program (user's float16 in a bfloat16 region) stays so.
     hand_on = [v.aval.dtype if v.aval.dtype in policy.LOW_DTYPES else low for v in eqn.outvars]
+    widened = [ctx.scope.cast(x, F32) if dtype_of(x) in policy.LOW_DTYPES else x for x in vals]
 
     def compute(*xs):
-        xs = [convert(x, F32, False) if dtype_of(x) in policy.LOW_DTYPES else x for x in xs]
         outs = _compat.bind(eqn, *xs)
         return outs if keep_f32 else [convert(o, d, False) for o, d in zip(outs, hand_on)]
 
     if reduces:  # linear: nothing float32 is kept for the backward pass anyway
-        return compute(*vals)
-    return list(jax.checkpoint(compute, prevent_cse=False)(*vals))
+        return compute(*widened)
+    return _pointwise.derived_from(compute, widened, vals)
 
 
 def _convert_rule(ctx, eqn, vals, weak):
