@@ -22,7 +22,7 @@ from jax import lax
 from mpjax import _compat, _finite, _one_kernel, _skip, _subtrees
 from mpjax._skip import select as _select
 from mpjax._float32 import _mul_f32_by_f64
-from mpjax.scaler_state import DISABLED, SubtreeFlags
+from mpjax.scaler_state import DISABLED, STATIC, SubtreeFlags
 
 
 class ScalerConfig(NamedTuple):
@@ -114,14 +114,7 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
     """
     if not config.enabled:
         return _disabled_step(inner, grads, state, params, extra, take)
-    # A disabled scaler's state (a checkpoint restored with scaling switched on)
-    # starts from init_scale, as a fresh state would: its scale of 1.0 would
-    # let float16 gradients underflow for thousands of steps of growth.
-    fresh = state.growth_tracker == DISABLED
-    state = state._replace(
-        scale=_select(fresh, jnp.float32(config.init_scale), state.scale),
-        growth_tracker=jnp.maximum(state.growth_tracker, 0),
-    )
+    state = _starting_scale(config, state)
     eager = not any(_compat.is_tracer(x) for x in jax.tree.leaves((grads, state, params, extra)))
     # Eagerly, inner runs once, as bare (a Python schedule, a host-side log): it is
     # traced only to tell whether a non-finite gradient is one it reads.
@@ -182,6 +175,22 @@ def _step(inner, config: ScalerConfig, grads, state, params, extra, take=True):
         inner_state=inner_state,
         nonfinite_subtrees=nonfinite_subtrees,
     )
+
+
+def _starting_scale(config: ScalerConfig, state):
+    """`state` with its scale set where another kind of scaler made it. A disabled
+    scaler's 1.0 (scaling switched on at a restore) becomes init_scale, as in a fresh
+    state: float16 gradients would underflow for thousands of steps of growth. A static
+    scaler keeps the scale of its own state only (`set_scale` may have set it)."""
+    tracker = state.growth_tracker
+    if not config.dynamic:
+        own = tracker == STATIC
+        scale = _select(own, state.scale, jnp.float32(config.init_scale))
+        return state._replace(scale=scale, growth_tracker=jnp.full_like(tracker, STATIC))
+    fresh = tracker == DISABLED
+    scale = _select(fresh, jnp.float32(config.init_scale), state.scale)
+    return state._replace(scale=scale, growth_tracker=jnp.maximum(tracker, 0))
+
 
 def _disabled_step(inner, grads, state, params, extra, take):
     """`_step` of a disabled scaler: inner's update, the loss not scaled."""

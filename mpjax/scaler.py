@@ -70,6 +70,7 @@ from mpjax.gradients import scaled_value_and_grad
 from mpjax.scaler_state import (
     DISABLED,
     RESTORED_WITHOUT_TARGET,
+    STATIC,
     GradScalerState,
     SubtreeFlags,
     get_scale,
@@ -291,7 +292,7 @@ def _loss_scaler(inner, config: ScalerConfig) -> optax.GradientTransformationExt
             accumulator = optax.EmptyState()
         return GradScalerState(
             scale=jnp.asarray(config.init_scale, jnp.float32),
-            growth_tracker=jnp.asarray(0 if config.enabled else DISABLED, jnp.int32),
+            growth_tracker=jnp.asarray(_first_tracker(config), jnp.int32),
             skipped_steps=jnp.zeros([], jnp.int32),
             last_step_skipped=jnp.zeros([], jnp.bool_),
             micro_step=jnp.zeros([], jnp.int32),
@@ -319,3 +320,8 @@ def _loss_scaler(inner, config: ScalerConfig) -> optax.GradientTransformationExt
         return _scaler_update.update(inner, config, updates, state, params, extra)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _first_tracker(config: ScalerConfig) -> int:
+    """A fresh state's growth tracker, which also tells what kind of scaler made it."""
+    return (0 if config.dynamic else STATIC) if config.enabled else DISABLED

@@ -29,8 +29,8 @@ from mpjax._scaler_placement import check_placement
 __all__ = ["GradScalerState", "SubtreeFlags", "get_scale", "set_scale", "scaler_stats"]
 
 
-DISABLED = -1
-"""The growth tracker of a disabled scaler, which never counts steps."""
+DISABLED, STATIC = -1, -2
+"""The growth tracker of a disabled scaler and of a static one, which count no steps."""
 
 
 class GradScalerState(NamedTuple):
@@ -38,12 +38,12 @@ class GradScalerState(NamedTuple):
 
     Attributes:
       scale: float32 scalar, the factor the loss is multiplied by.
-      growth_tracker: int32 scalar, consecutive finite (effective) steps since
-        the last growth or skip (torch's ``_growth_tracker``); -1 in the state of
-        a disabled scaler (`noop_scaler`), whose scale is 1.0. An enabled scaler
-        that finds -1 (a checkpoint restored with scaling switched on) takes its
-        own ``init_scale`` at its first update; a disabled one that finds an
-        enabled scaler's state sets the scale to 1.0 at its first update.
+      growth_tracker: int32 scalar, consecutive finite (effective) steps since the
+        last growth or skip (torch's ``_growth_tracker``); -1 in the state of a
+        disabled scaler (`noop_scaler`), whose scale is 1.0, -2 in a `static_scaler`'s.
+        An enabled scaler that finds -1 (a checkpoint restored with scaling switched
+        on) takes its own ``init_scale`` at its first update, a static one that finds
+        another state its own scale; a disabled one sets the scale to 1.0.
       skipped_steps: int32 scalar, total number of (effective) steps skipped
         because their gradients (or inner's updates) were not finite.
       last_step_skipped: bool scalar, whether the latest effective step was
@@ -203,9 +203,8 @@ def set_scale(opt_state: Any, new_scale: float | jax.Array) -> Any:
       A new optimizer state of the same structure.
 
     Raises:
-      ValueError: if `opt_state` holds no `GradScalerState` or several, or one
-        inside a wrapper it cannot work in, or a concrete `new_scale` is not a
-        finite number >= 2**-126, or its shape is not the scale's.
+      ValueError: if `opt_state` holds no `GradScalerState` or several, or one in a wrapper
+        it cannot work in, or a concrete `new_scale` is no normal float32 or not shaped as it.
       TypeError: if `new_scale` is neither a number nor an array, or
         `opt_state` is a ``flax.nnx.Optimizer`` rather than its ``opt_state``.
 
@@ -257,9 +256,10 @@ def set_scale(opt_state: Any, new_scale: float | jax.Array) -> Any:
         if node is not target:
             return node
         # tree.map keeps any wrapper around the leaf (an nnx Variable, say).
+        counted = lambda t: jnp.where(t == DISABLED, 0, t)  # noqa: E731
         return node._replace(
             scale=jax.tree.map(lambda _: value, node.scale),
-            growth_tracker=jax.tree.map(lambda t: jnp.maximum(t, 0), node.growth_tracker),
+            growth_tracker=jax.tree.map(counted, node.growth_tracker),
         )
 
     return jax.tree.map(replace, opt_state, is_leaf=_is_scaler_state)

