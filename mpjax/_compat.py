@@ -39,12 +39,15 @@ def bind(eqn, *args, **param_updates):
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def staging_trace():
-    """The current trace if jit's or make_jaxpr's (not vmap's, grad's), else None."""
+def staging_trace(under_others: bool = False):
+    """The current trace if jit's or make_jaxpr's (not vmap's, grad's), else None; with
+    `under_others`, the one vmap's or grad's current trace runs on (a jit's, a scan's)."""
     from jax._src import core
     from jax._src.interpreters import partial_eval as pe
 
     trace = core.trace_ctx.trace
+    while under_others and trace is not None and type(trace) is not pe.DynamicJaxprTrace:
+        trace = getattr(trace, "parent_trace", None)  # None past the eager one
     return trace if type(trace) is pe.DynamicJaxprTrace else None
 
 
@@ -186,13 +189,10 @@ def scan_counts(params) -> tuple[int, int]:
 
 def shard_map_kwargs(params) -> dict:
     """Keyword arguments that rebuild a shard_map equation with `jax.shard_map`."""
-    return dict(
-        mesh=params["mesh"],
-        in_specs=tuple(params["in_specs"]),
-        out_specs=tuple(params["out_specs"]),
-        axis_names=frozenset(params.get("newly_manual_axes", params.get("manual_axes", ()))),
-        check_vma=params.get("check_vma", params.get("check_rep", True)),
-    )
+    manual = params.get("newly_manual_axes", params.get("manual_axes", ()))
+    check_vma = params.get("check_vma", params.get("check_rep", True))
+    specs = dict(in_specs=tuple(params["in_specs"]), out_specs=tuple(params["out_specs"]))
+    return dict(mesh=params["mesh"], **specs, axis_names=frozenset(manual), check_vma=check_vma)
 
 
 def retype_scalar_jaxpr(params, dtype):
@@ -250,8 +250,7 @@ def is_tracer(x) -> bool:
 
 
 def trace_context():
-    """What changes what tracing gives, as `jax.jit` keys its cache on it (x64,
-    default matmul precision, the axis environment)."""
+    """What changes what tracing gives (x64, matmul precision, axes), as jit's cache key."""
     from jax._src import config
 
     return config.trace_context()

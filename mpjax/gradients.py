@@ -18,7 +18,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from mpjax import _compat
 from mpjax._float32 import reciprocal
 from mpjax._regions import SCALED
 from mpjax.scaler_state import _find_state, _value
@@ -69,7 +71,8 @@ def scaled_value_and_grad(
       ValueError: if `opt_state` holds no `GradScalerState` (or several, or one
         inside a wrapper it trains wrongly in, e.g. ``optax.MultiSteps``); when
         called, if `fun` does not return a scalar floating loss (or a
-        ``(loss, aux)`` pair with `has_aux`), with the fix in the message.
+        ``(loss, aux)`` pair with `has_aux`), with the fix in the message, or if
+        built outside a jit (or scan) from a dynamic scaler's state, inside it.
       TypeError: if `fun` is not callable.
 
     Examples:
@@ -83,7 +86,8 @@ def scaled_value_and_grad(
         raise TypeError(
             f"{_NAME}(fun, opt_state): fun must be the loss function, got {type(fun).__name__}."
         )
-    scale = _value(_find_state(opt_state, _NAME).scale, jnp.float32)
+    state = _find_state(opt_state, _NAME)
+    scale, check_current = _value(state.scale, jnp.float32), _current_scale_check(state)
 
     def scaled_fun(*args, **kwargs):
         out = fun(*args, **kwargs)
@@ -92,22 +96,59 @@ def scaled_value_and_grad(
         return loss.astype(dtype) * scale.astype(dtype), (loss, aux)
 
     def wrapped(*args, **kwargs):
+        check_current()
         transform = _value_and_grad_for(args, argnums, value_and_grad)
         with jax.named_scope(SCALED):  # refused under autocast (`_regions.region_of`)
             out = _transformed(transform, scaled_fun, argnums)(*args, **kwargs)
-        if not (_pair(out) and _pair(out[0]) and _pair(out[0][1])):
-            name = getattr(transform, "__qualname__", type(transform).__name__)
-            raise TypeError(
-                f"{_NAME}(value_and_grad={name}): value_and_grad must be a value-and-"
-                "gradient transform, as jax.value_and_grad or flax.nnx.value_and_grad, "
-                "whose function returns ((value, aux), grads) with has_aux=True; it "
-                f"returned {_describe(out)}. (jax.grad and nnx.grad return the "
-                "gradients alone.)"
-            )
-        (_, (loss, aux)), grads = out
+        (_, (loss, aux)), grads = _checked_output(transform, out)
         return ((loss, aux) if has_aux else loss), unscale(grads, scale)
 
     return wrapped
+
+
+def _checked_output(transform, out):
+    """`out`, if `transform` is a value-and-gradient transform (its output's shape)."""
+    if not (_pair(out) and _pair(out[0]) and _pair(out[0][1])):
+        name = getattr(transform, "__qualname__", type(transform).__name__)
+        raise TypeError(
+            f"{_NAME}(value_and_grad={name}): value_and_grad must be a value-and-"
+            "gradient transform, as jax.value_and_grad or flax.nnx.value_and_grad, "
+            "whose function returns ((value, aux), grads) with has_aux=True; it "
+            f"returned {_describe(out)}. (jax.grad and nnx.grad return the "
+            "gradients alone.)"
+        )
+    return out
+
+
+def _current_scale_check(state) -> Callable[[], None]:
+    """What the returned function checks at each call: built from the concrete state of
+    a dynamic scaler (its `growth_tracker` counts, >= 0), it must not be called inside a
+    jit or scan, whose program would keep the scale as a constant while ``update`` backs
+    the state's off: every step would overflow at the old scale and be skipped."""
+    scale, tracker = _value(state.scale), _value(state.growth_tracker)
+    if _compat.is_tracer(scale) or _compat.is_tracer(tracker):
+        return lambda: None  # read inside the step: the step's own
+    if not np.any(np.asarray(tracker) >= 0):
+        return lambda: None  # a static or disabled scaler's, which never changes
+
+    def check() -> None:
+        if _compat.staging_trace(under_others=True) is None:
+            return  # eagerly, or under vmap or grad of an eager call: current
+        shown = np.asarray(scale)
+        shown = f"{float(shown):g}" if shown.ndim == 0 else f"of shape {shown.shape}"
+        raise ValueError(
+            f"{_NAME}(fun, opt_state): the function it returned is called inside a "
+            "jitted (or scanned) function, but it was built outside, from an opt_state "
+            f"whose scale ({shown}) the grad_scaler's update changes. The program would "
+            "keep that scale as a constant: the scaler would back its own off while every "
+            "step still overflowed at the old one and was skipped, the parameters never "
+            "moving. Build it inside the training step, from the opt_state the step "
+            "receives: loss, grads = scaled_value_and_grad(loss_fn, opt_state)(params, "
+            "batch); for jax.jit(scaled_value_and_grad(...)), pass opt_state to the "
+            "jitted function and build it there."
+        )
+
+    return check
 
 
 def _transformed(transform, fun, argnums):

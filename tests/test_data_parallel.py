@@ -433,7 +433,8 @@ def test_a_weight_reached_through_sharding_keeps_a_float32_gradient(reach):
     # 16 per entry, times 2**15 and split over the devices: 65536 on each before
     # the all-reduce, beyond float16.
     tx = mpjax.grad_scaler(optax.sgd(0.1), init_scale=2.0**15)
-    _, g = jax.jit(mpjax.scaled_value_and_grad(mpjax.autocast(f), tx.init(w)))(w, x)
+    grad_fn = lambda s, *a: mpjax.scaled_value_and_grad(mpjax.autocast(f), s)(*a)  # noqa: E731
+    _, g = jax.jit(grad_fn)(tx.init(w), w, x)
     np.testing.assert_allclose(g, jnp.full((4, 4), 16.0), rtol=1e-6)
 
 

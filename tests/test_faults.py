@@ -316,8 +316,8 @@ def test_nan_in_one_gradient_leaves_the_others_finite():
     # The fault "nan_in_one_gradient" above really is confined to one leaf.
     params, xs, ys = _init()
     state = TX.init(params)
-    loss, grads = jax.jit(scaled_value_and_grad(_loss, state))(
-        params, xs[0], ys[0], 1.0, np.float32(np.nan)
+    loss, grads = jax.jit(lambda s, *a: scaled_value_and_grad(_loss, s)(*a))(
+        state, params, xs[0], ys[0], 1.0, np.float32(np.nan)
     )
     assert np.isfinite(loss)
     assert np.isnan(grads["b2"]).all()

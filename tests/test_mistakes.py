@@ -11,6 +11,7 @@ correctly or stops at the first step with an error that names the fix.
 | ``scaled_value_and_grad(f, value_and_grad=jax.grad)`` (or ``nnx.grad``) | TypeError: value_and_grad must be a value-and-gradient transform |
 | a ``(loss, aux)`` loss without ``has_aux=True`` | ValueError naming ``has_aux=True`` |
 | a non-scalar loss | ValueError naming the shape and ``.mean()`` |
+| ``scaled_value_and_grad(loss, opt_state)`` built once before the loop, called in a jitted step | ValueError at the first trace: build it inside the step (its scale would be compiled in while the scaler backs off: every step skipped) |
 | ``(aux, loss)`` returned with ``has_aux=True`` | ValueError: the loss comes first |
 | ``autocast`` around the whole training step, ``scaled_value_and_grad`` inside (torch's ``with autocast():`` block) | ValueError at the first trace: autocast the loss, not the step (autocast would round the backward pass's weight gradients to 16 bits) |
 | the scaler's state made by ``init`` on Linen's whole ``variables``, updated with the gradients of ``variables["params"]`` | ValueError naming the gradient outside every subtree and ``variables['params']`` |
@@ -360,6 +361,37 @@ def test_scaled_value_and_grad_refuses_a_non_callable():
     state = mpjax.grad_scaler(optax.sgd(0.1)).init(_params())
     with pytest.raises(TypeError, match="fun must be the loss function"):
         mpjax.scaled_value_and_grad(_params(), state)
+
+
+def test_a_gradient_function_built_outside_the_jitted_step_names_the_fix():
+    """Built once before the loop, it would compile the scale it read into the step
+    while the scaler backs the state's off: every step skipped, nothing learnt."""
+    params = _params()
+    tx = mpjax.grad_scaler(optax.sgd(0.5))
+    state = tx.init(params)
+    grad_fn = mpjax.scaled_value_and_grad(loss, state)
+
+    @jax.jit
+    def step(params, state, x, y):
+        _, grads = grad_fn(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    with pytest.raises(ValueError, match=r"built outside.*inside the training step"):
+        step(params, state, X, Y)
+    with pytest.raises(ValueError, match=r"built outside"):  # a jit around a vmap, a scan
+        jax.jit(jax.vmap(lambda x, y: grad_fn(params, x[None], y[None])[0]))(X, Y)
+    with pytest.raises(ValueError, match=r"built outside"):
+        jax.lax.scan(lambda c, _: (c, grad_fn(params, X, Y)[0]), 0.0, length=2)
+    # Eagerly, under vmap or grad of an eager call, the state read is the current one;
+    # a static or disabled scaler's scale never changes.
+    value, _ = grad_fn(params, X, Y)
+    chex.assert_trees_all_close(value, loss(params, X, Y))
+    jax.vmap(lambda x, y: grad_fn(params, x[None], y[None])[0])(X, Y)
+    jax.grad(lambda p: grad_fn(p, X, Y)[0])(params)
+    for fixed in [mpjax.static_scaler(optax.sgd(0.5), 8.0), mpjax.noop_scaler(optax.sgd(0.5))]:
+        fixed_fn = mpjax.scaled_value_and_grad(loss, fixed.init(params))
+        jax.jit(lambda p: fixed_fn(p, X, Y)[0])(params)
 
 
 # --------------------------------------------------------------------------

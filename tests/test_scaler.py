@@ -452,7 +452,7 @@ def test_unscaling_keeps_each_leaf_dtype():
         "bf16": jnp.full(3, 2.0, jnp.bfloat16),
     }
     loss = lambda t: sum(jnp.sum(x.astype(jnp.float32) ** 2) for x in t.values())
-    _, grads = jax.jit(scaled_value_and_grad(loss, state))(inputs)
+    _, grads = jax.jit(lambda s, x: scaled_value_and_grad(loss, s)(x))(state, inputs)
     chex.assert_trees_all_equal_dtypes(grads, inputs)
     chex.assert_trees_all_equal(grads, jax.tree.map(lambda x: 2 * x, inputs))
 

@@ -50,7 +50,7 @@ print(f"loss {value:.4f}, scale was {scale}, skipped {stats['skipped_steps']}")
 
 # scaler.scale(loss).backward(); scaler.unscale_(optimizer): both are inside
 # scaled_value_and_grad, whose gradients are the loss's own, ready to clip or log.
-value, grads = jax.jit(mpjax.scaled_value_and_grad(loss, opt_state))(params, x, y)
+value, grads = mpjax.scaled_value_and_grad(loss, opt_state)(params, x, y)
 
 # scaler.state_dict() / load_state_dict(): nothing to do. The scaler's state is a
 # GradScalerState inside opt_state; checkpoint opt_state and it is saved.
