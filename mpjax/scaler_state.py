@@ -55,12 +55,11 @@ class GradScalerState(NamedTuple):
         shaped like the parameters; ``optax.EmptyState()`` when
         ``accumulation_steps == 1``.
       inner_state: the state of the wrapped optimizer.
-      nonfinite_subtrees: a `SubtreeFlags`, a mapping from each top-level
-        subtree of the parameters (by its path, e.g. ``"['Dense_0']"``; one
-        level further down when the top has a single entry, as Linen's
-        ``{"params": ...}``) to a bool scalar: whether its gradients in the
-        latest effective step were not all finite. It says where a skipped
-        step's infs came from.
+      nonfinite_subtrees: a `SubtreeFlags`, a mapping from each top-level subtree of the
+        parameters (by its path, e.g. ``"['Dense_0']"``; one level further down when the
+        top has a single entry, as Linen's ``{"params": ...}``) to a bool scalar: whether
+        its gradients in the latest effective step were not all finite. It says where a
+        skipped step's infs came from.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -133,14 +132,16 @@ class SubtreeFlags(Mapping):
 
 @functools.cache
 def register_serialization() -> None:
-    """Lets `flax.serialization` save and restore a `SubtreeFlags`, by name."""
+    """Lets `flax.serialization` save and restore a `SubtreeFlags`, by name: the flags are
+    the last step's verdict, so a subtree the saved state lacks restores as False."""
     from flax import serialization
 
     def to_state_dict(x: SubtreeFlags) -> dict:
         return {name: x.flags[..., i] for i, name in enumerate(x.names)}
 
     def from_state_dict(target: SubtreeFlags, state: dict) -> SubtreeFlags:
-        flags = [np.asarray(state[name], np.bool_) for name in target.names]
+        unseen = np.zeros(np.shape(target.flags)[:-1], np.bool_)  # a subtree added since
+        flags = [np.asarray(state.get(name, unseen), np.bool_) for name in target.names]
         if not flags:
             return target
         return SubtreeFlags(target.names, jnp.asarray(np.stack(flags, axis=-1)))

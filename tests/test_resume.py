@@ -256,3 +256,29 @@ def test_a_dynamic_checkpoint_resumed_under_a_static_scaler_runs_at_the_static_s
     dynamic = mpjax.grad_scaler(optax.adam(1e-3), growth_interval=2)
     _, state = jax.jit(dynamic.update)(grads, state, params)
     assert float(mpjax.get_scale(state)) == 2.0 and int(state.growth_tracker) == 1
+
+
+def test_a_state_restored_for_parameters_with_a_new_subtree_keeps_what_matches():
+    """The subtree flags are the last step's verdict: a subtree the checkpoint lacks (a
+    new head) restores as False, as the scaler's other fields restore; an inner state
+    shaped as the parameters is refused by flax itself, naming the path."""
+    from flax import serialization
+
+    old_params = {"a": jnp.ones(3), "b": jnp.ones(2)}
+    new_params = {**old_params, "head": jnp.ones(4)}
+    tx = mpjax.grad_scaler(optax.sgd(1e-3), init_scale=2.0**4)
+    state = tx.init(old_params)
+    _, state = tx.update({"a": jnp.ones(3), "b": jnp.full(2, jnp.inf)}, state, old_params)
+    restored = serialization.from_state_dict(
+        tx.init(new_params), serialization.to_state_dict(state)
+    )
+    flags = {name: bool(flag) for name, flag in restored.nonfinite_subtrees.items()}
+    assert flags == {"['a']": False, "['b']": True, "['head']": False}
+    assert float(restored.scale) == 8.0 and int(restored.skipped_steps) == 1
+    _, restored = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, new_params), restored, new_params)
+    assert not any(map(bool, restored.nonfinite_subtrees.values()))
+    adam = mpjax.grad_scaler(optax.adam(1e-3))
+    with pytest.raises(ValueError, match=r"head.*inner_state"):
+        serialization.from_state_dict(
+            adam.init(new_params), serialization.to_state_dict(adam.init(old_params))
+        )
