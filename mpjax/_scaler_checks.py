@@ -86,9 +86,34 @@ def grad_scaler_config(
         enabled=enabled,
         accumulation_steps=steps,
         accumulation=accumulation,
-        axis_name=axis_name,
+        axis_name=check_axis_name(name, axis_name),
         check_updates=check_bool(name, "check_updates", check_updates),
     )
+
+
+def check_axis_name(fn: str, axis_name):
+    """None, or the name of a mapped axis (hashable, not an integer: `lax.psum` reads
+    an integer as an array axis), or a tuple of them."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if axis_name is None or all(_is_axis_name(n) for n in names):
+        return axis_name
+    raise ValueError(
+        f"{fn}: axis_name must be the name of the mapped axis the gradients are split "
+        "along (a string, as in jax.make_mesh(..., ('data',)) or pmap(..., axis_name="
+        "'data')), or a tuple of names, not an integer or an unhashable value; got "
+        f"{axis_name!r}. For example {fn}(inner, axis_name='data'), or "
+        "axis_name=('data', 'model')."
+    )
+
+
+def _is_axis_name(name) -> bool:
+    if isinstance(name, (numbers.Integral, np.integer)) or _compat.is_tracer(name):
+        return False
+    try:
+        hash(name)
+    except TypeError:
+        return False
+    return name is not None
 
 
 def check_bool(fn: str, name: str, value) -> bool:

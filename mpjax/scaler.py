@@ -59,6 +59,7 @@ from mpjax._float32 import MIN_NORMAL_F32
 from mpjax._scaler_checks import (
     DEFAULT_MIN_SCALE,
     check_accumulation,
+    check_axis_name,
     check_bool,
     check_inner,
     check_no_float16,
@@ -232,7 +233,7 @@ def static_scaler(
         enabled=True,
         accumulation_steps=steps,
         accumulation=accumulation,
-        axis_name=axis_name,
+        axis_name=check_axis_name("static_scaler", axis_name),
         check_updates=check_bool("static_scaler", "check_updates", check_updates),
     )
     return _loss_scaler(inner, config)

@@ -41,6 +41,7 @@ remaining inputs.
 | settings as 0-d JAX or NumPy arrays (``init_scale=jnp.float32(4.0)``)  | taken as the numbers they hold; a traced one is a ValueError: settings are fixed when the scaler is built (``set_scale`` changes the scale) |
 | ``grad_scaler`` without ``axis_name`` inside ``shard_map`` on gradients that differ between devices, with a state they share | ValueError naming the mesh axes and ``axis_name`` |
 | ``grad_scaler(..., axis_name="data")`` where no mapped axis of that name is bound (a mesh of other names, a sharded ``jit``, an eager call) | ValueError naming ``axis_name`` and where to call ``update`` |
+| ``grad_scaler(..., axis_name=0 / 1 / {} / ["data"])``, likewise ``static_scaler`` | ValueError at construction naming ``axis_name``, what an axis name is, and a correct call (``lax.psum`` would read an integer as an array axis) |
 | hyperparameters out of range (``growth_factor``, ``backoff_factor``, ``growth_interval``, ``init_scale``, ``min_scale``, ``accumulation_steps``, static ``scale``, ``set_scale``'s ``new_scale``) | ValueError naming the function, the argument, the valid range and the value given |
 | a restored scale that is a float64 / float16 / bfloat16 / int / NumPy / Python scalar | accepted: the step is bit-identical to the one from a float32 scale and the new state's scale is a float32 scalar again |
 | the same, read with ``get_scale`` / ``scaler_stats`` before any step | returned as a float32 scalar, as documented |
@@ -730,6 +731,18 @@ def test_static_scaler_errors_name_static_scaler():
         tx.init({"w": jnp.ones(3, jnp.float16)})
     with pytest.raises(TypeError, match=r"^static_scaler update: `state` must be"):
         tx.update(PARAMS, optax.sgd(0.1).init(PARAMS))
+
+
+@pytest.mark.parametrize("make", ["grad_scaler", "static_scaler"])
+@pytest.mark.parametrize("axis_name", [0, 1, {}, ["data"], ("data", 1), True])
+def test_an_axis_name_that_is_no_name_is_refused_at_construction(make, axis_name):
+    """An integer would be read by lax.psum as an array axis, a dict or list is no
+    name at all: each failed only at the first update, inside lax.psum."""
+    args = (8.0,) if make == "static_scaler" else ()
+    with pytest.raises(ValueError, match=rf"^{make}: axis_name must be.*axis_name='data'"):
+        getattr(mpjax, make)(optax.sgd(0.1), *args, axis_name=axis_name)
+    for good in ["data", ("data", "model")]:
+        getattr(mpjax, make)(optax.sgd(0.1), *args, axis_name=good)
 
 
 def test_scaled_value_and_grad_of_value_and_grad_says_to_pass_the_loss():
