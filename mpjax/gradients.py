@@ -12,6 +12,7 @@ correctly too (without the underflow protection the scaling gives).
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -86,6 +87,7 @@ def scaled_value_and_grad(
         raise TypeError(
             f"{_NAME}(fun, opt_state): fun must be the loss function, got {type(fun).__name__}."
         )
+    argnums = _checked_argnums(argnums)
     state = _find_state(opt_state, _NAME)
     scale, check_current = _value(state.scale, jnp.float32), _current_scale_check(state)
 
@@ -104,6 +106,25 @@ def scaled_value_and_grad(
         return ((loss, aux) if has_aux else loss), unscale(grads, scale)
 
     return wrapped
+
+
+def _checked_argnums(argnums):
+    """`argnums` with its positions as ints (NumPy's integers too, as
+    ``jax.value_and_grad`` takes them), or a TypeError naming it."""
+    if hasattr(argnums, "argnum"):  # an nnx.DiffState
+        return argnums
+    try:
+        return operator.index(argnums)
+    except TypeError:
+        pass
+    try:
+        return tuple(n if hasattr(n, "argnum") else operator.index(n) for n in argnums)
+    except TypeError:
+        raise TypeError(
+            f"{_NAME}(argnums={argnums!r}): argnums must be an integer or a tuple of "
+            "integers, the positions of the arguments to differentiate, e.g. argnums=0 "
+            "or argnums=(0, 1)."
+        ) from None
 
 
 def _checked_output(transform, out):

@@ -34,6 +34,7 @@ remaining inputs.
 | ``autocast(LinenModel)`` (a class) | TypeError at wrap time: autocast ``model.apply`` |
 | ``autocast(LinenModel())`` unbound, a module bound with ``mutable=`` whose call writes a collection | TypeError when called: autocast ``model.apply`` (a call Flax can run unbound, or one that writes nothing, runs) |
 | ``static_scaler``'s init on float16 parameters, its update on a wrong state | the errors name ``static_scaler``, not ``grad_scaler`` |
+| ``scaled_value_and_grad(f, state, argnums=np.int64(1))``; ``argnums="0"`` | taken as ``jax.value_and_grad`` takes it; a TypeError naming ``argnums`` |
 | ``scaled_value_and_grad(jax.value_and_grad(f), state)``                  | ValueError: looks like ``jax.value_and_grad(f)``, pass ``f`` |
 | a scaler setting injected by ``optax.inject_hyperparams`` (traced)   | the traced-setting ValueError names ``static_args`` |
 | a scaler inside a scaler                                          | the helpers' ValueError gives the inner one's path, ``.inner_state`` included |
@@ -743,6 +744,19 @@ def test_an_axis_name_that_is_no_name_is_refused_at_construction(make, axis_name
         getattr(mpjax, make)(optax.sgd(0.1), *args, axis_name=axis_name)
     for good in ["data", ("data", "model")]:
         getattr(mpjax, make)(optax.sgd(0.1), *args, axis_name=good)
+
+
+def test_argnums_takes_numpy_integers_and_names_itself_otherwise():
+    state = grad_scaler(optax.sgd(0.1), init_scale=4.0).init(PARAMS)
+    loss = lambda x, p: x * sum(jnp.sum(v**2) for v in jax.tree.leaves(p))
+    want = jax.value_and_grad(loss, argnums=1)(2.0, PARAMS)
+    for argnums in [np.int64(1), (np.int32(1),)]:
+        got = scaled_value_and_grad(loss, state, argnums=argnums)(2.0, PARAMS)
+        grads = got[1][0] if isinstance(argnums, tuple) else got[1]
+        chex.assert_trees_all_close((got[0], grads), want)
+    for bad in ["0", 1.0, None]:
+        with pytest.raises(TypeError, match=r"argnums=.*must be an integer or a tuple"):
+            scaled_value_and_grad(loss, state, argnums=bad)
 
 
 def test_scaled_value_and_grad_of_value_and_grad_says_to_pass_the_loss():
