@@ -9,16 +9,19 @@ import functools
 import inspect
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mpjax import _compat
 
 
 def is_value(x) -> bool:
-    """Whether an argument leaf is traced: an array of numbers (JAX's or NumPy's:
-    NumPy strings and objects, which JAX cannot trace, are not), or the shape of one."""
+    """Whether an argument leaf is traced: an array of numbers or bools (JAX's or
+    NumPy's, bfloat16 included: NumPy strings, objects, dates and durations, which JAX
+    cannot trace, are not), or the shape of one."""
     if isinstance(x, (np.ndarray, np.generic)):
-        return x.dtype.kind not in "OSUV"
+        kind = x.dtype.kind  # ml_dtypes' (bfloat16, float8) are "V", as structured ones
+        return kind in "biufc" or (kind == "V" and jnp.issubdtype(x.dtype, np.number))
     return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
 
 

@@ -90,6 +90,7 @@ class TraceCache:
 
 # Static leaves whose value is all a trace can have read from them.
 _IMMUTABLE = (bool, int, float, complex, str, bytes, types.NoneType, enum.Enum, np.dtype)
+_IMMUTABLE += (np.datetime64, np.timedelta64)  # NumPy's scalars that are not traced
 # Modules whose classes (dtypes such as jnp.bfloat16) no program changes.
 _LIBRARIES = ("builtins", "numpy", "jax", "ml_dtypes")
 _MUTABLE = object()

@@ -18,6 +18,7 @@ remaining inputs.
 | ``audit(3)``, ``audit(array)``                                   | TypeError: "audit(fun, ...): fun must be callable, got int" |
 | ``autocast(f, dtype=jnp.int8 / jnp.float64 / jnp.float32 / "half-ish")``, and as ``@autocast(dtype=...)`` | ValueError at wrap time naming ``dtype``, the two valid dtypes, and ``enabled=False`` for float32 regions; dtype names ``"float16"``, ``"bfloat16"`` are accepted; a tuple or list of dtypes is refused (NumPy would read it as its first), by ``diagnose`` too; ``dtype=jnp.float32`` with ``enabled=False`` is accepted (both say "as written") |
 | ``autocast(f, reduce_dtype=...)`` other than ``jnp.float32`` or the autocast dtype (``None``, bfloat16 under float16, float64, int8, an unknown name), and as ``@autocast(reduce_dtype=...)`` | ValueError at wrap time naming ``reduce_dtype`` and its two choices, with what each does |
+| NumPy dates and durations (``datetime64``, ``timedelta64``: arrays or scalars), strings, bytes, objects | passed to ``fun`` unchanged, as JAX cannot trace them; a scalar keys the eager trace by its value |
 | Python bool / int / float / str arguments (positional, keyword, inside pytrees) | passed to ``fun`` unchanged, as Python objects: they may steer control flow and shapes; ``jax.jit(..., static_argnames=...)`` around autocast works |
 | a JAX array (or a NumPy scalar, which counts as an array) in Python control flow: ``if x``, ``range(n)``, ``float(x)`` | JAX's error, with mpjax's note: "Pass such flags as Python bools or ints ..., close over them, or use lax.cond / jnp.where" |
 | ``audit(autocast(f), x, True)`` with a static Python flag          | works: audit passes non-array leaves to ``fun`` unchanged, as autocast does |
@@ -198,6 +199,32 @@ def test_numpy_strings_reach_fun_unchanged():
     x = jnp.ones(3)
     for names in (np.array(["a", "b"]), np.str_("a"), np.array(["b"])):
         chex.assert_trees_all_equal(mpjax.autocast(f)(x, names), f(x, names))
+
+
+def test_numpy_dates_and_durations_reach_fun_unchanged():
+    """JAX cannot trace them: they are handed over as they are, as to `fun` without
+    autocast; a date scalar keys the eager trace by its value, an array is traced anew."""
+    traces = []
+
+    def f(x, when):
+        return x * (when > np.datetime64("2021-01-01"))
+
+    def traced(x, when):
+        traces.append(when)
+        return f(x, when)
+
+    x = jnp.ones(2)
+    dates = np.array(["2020-01-01", "2022-01-01"], dtype="datetime64[D]")
+    later, earlier = np.datetime64("2022-01-01"), np.datetime64("2020-01-01")
+    for when in [dates, dates, later, later, earlier]:
+        chex.assert_trees_all_equal(mpjax.autocast(traced)(x, when), f(x, when))
+    autocast_traced = mpjax.autocast(traced)
+    traces.clear()
+    for when in [dates, dates, later, later, earlier]:
+        autocast_traced(x, when)
+    assert [type(t) for t in traces] == [np.ndarray, np.ndarray, np.datetime64, np.datetime64]
+    durations = mpjax.autocast(lambda x, d: x * (d / np.timedelta64(1, "h")))
+    chex.assert_trees_all_close(durations(x, np.timedelta64(2, "D")), x * 48.0)
 
 
 def test_a_generator_function_is_refused_when_wrapped():
