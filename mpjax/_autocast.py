@@ -152,7 +152,13 @@ class _Decorator:
     def __init__(self, apply):
         self._apply = apply
 
-    def __call__(self, fun):
+    def __call__(self, fun, *args, **kwargs):
+        if args or kwargs:  # autocast(dtype=...)(params, x): the function forgotten
+            raise TypeError(
+                "autocast(dtype=...) without a function returns a decorator, which takes "
+                "the function alone; it was called with the function's arguments. Pass "
+                "the function first: autocast(loss_fn, dtype=...)(params, x)."
+            )
         return self._apply(fun)
 
     def __enter__(self):

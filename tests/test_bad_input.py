@@ -29,6 +29,7 @@ remaining inputs.
 | the same on a scaler's checkpoint restored without a target (a plain dict of its fields) | TypeError saying the restore lacked a target structure, and how to restore into ``tx.init(params)`` |
 | the helpers on such a restored checkpoint                          | ValueError saying the restore lacked a target structure |
 | ``set_scale(state, None / "1024" / True / [2.0])``                 | TypeError naming ``new_scale`` |
+| ``autocast(dtype=...)(params, x)`` (the function forgotten) | TypeError: ``autocast(dtype=...)`` returns a decorator; ``autocast(loss_fn, dtype=...)(params, x)`` |
 | ``with autocast():`` (torch's spelling)                            | TypeError: autocast is a function transform, not a context manager, and how to wrap |
 | ``rule_for(42)``; ``rule_for(jax.lax.exp_p)``                        | TypeError naming ``primitive_name``; a primitive is read by its name |
 | ``rule_for("matmul")``, ``rule_for("conv2d")``, ``rule_for("softplus")``: any name on torch's CUDA autocast op lists that is no JAX primitive's | ValueError naming the JAX primitive to look up instead of answering ORIGINAL |
@@ -663,6 +664,13 @@ def test_autocast_as_a_context_manager_says_it_is_a_function_transform():
         with pytest.raises(TypeError, match=r"function transform, not a context manager"):
             with made:
                 pass
+
+
+def test_the_decorator_form_called_with_arrays_shows_the_call_with_the_function():
+    with pytest.raises(TypeError, match=r"returns a decorator.*autocast\(loss_fn, dtype=\.\.\.\)"):
+        mpjax.autocast(dtype=jnp.bfloat16)(PARAMS, jnp.ones(2))
+    loss = mpjax.autocast(dtype=jnp.bfloat16)(lambda p: jnp.sum(p["w"]))  # as a decorator
+    assert loss(PARAMS).dtype == jnp.float32
 
 
 def test_rule_for_takes_a_name_or_a_primitive():
