@@ -257,7 +257,7 @@ def _wrap(fun, region: Region, enabled: bool):
             with _linen.checked_call(fun):
                 return _autocast_call(fun, region, args, kwargs, cache)
 
-    return _marks.marked(wrapped, fun)
+    return _marks.marked(wrapped, fun, region)
 
 
 def _wrap_module(fun, bound, region: Region, enabled: bool):
@@ -275,7 +275,7 @@ def _wrap_module(fun, bound, region: Region, enabled: bool):
     except (TypeError, ValueError):
         pass
     call.__mpjax_module__ = (inner, module)  # `audit` traces `inner` with the module passed
-    return _marks.marked(call, fun)
+    return _marks.marked(call, fun, region)
 
 
 _STATIC_HINT = (

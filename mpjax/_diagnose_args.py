@@ -3,6 +3,7 @@ floating leaves of the parameters (a Flax NNX module's ``nnx.Param`` state)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Callable, NamedTuple
@@ -14,7 +15,7 @@ import numpy as np
 from mpjax import _nnx
 from mpjax import policy as policy_module
 from mpjax._autocast import POLICIES
-from mpjax._marks import original_of
+from mpjax._marks import original_of, region_of
 from mpjax._float32 import MAX_F32, MIN_NORMAL_F32
 from mpjax.scaler_state import get_scale
 
@@ -74,9 +75,30 @@ def check_scale(scale, dtype: str) -> float:
     return value
 
 
-def unwrap(fun):
-    original = original_of(fun)
-    return fun if original is None else original
+def unwrap(fun, dtype, policy) -> tuple[Callable, object, str]:
+    """`fun` without its autocast (inside a ``functools.partial`` too), and the dtype and
+    policy to run it at: those given (None: not given), else the autocast function's,
+    else float16 and "torch". A ValueError where both are given and differ."""
+    if isinstance(fun, functools.partial):
+        inner, dtype, policy = unwrap(fun.func, dtype, policy)
+        fun = functools.partial(inner, *fun.args, **fun.keywords)
+        return fun, dtype, policy
+    region, original = region_of(fun), original_of(fun)
+    if region is None or region.dtype is None:  # no autocast function, or a disabled one
+        fun = fun if original is None else original
+        return fun, jnp.float16 if dtype is None else dtype, policy or "torch"
+    own_dtype, own_policy = region.dtype.name, "lean" if region.lean else "torch"
+    given = None if isinstance(dtype, str) and dtype == "both" else dtype
+    given = getattr(policy_module.dtype_named(given), "name", None)  # checked later
+    for name, asked, own in [("dtype", given, own_dtype), ("policy", policy, own_policy)]:
+        if asked in (*DTYPES, *POLICIES) and asked != own:
+            shown = f"jnp.{asked}" if name == "dtype" else repr(asked)
+            raise ValueError(
+                f"diagnose({name}={shown}): loss_fn is an autocast function of {name} "
+                f"{own}, and diagnose unwraps it to run it at {asked}. Leave {name} "
+                "out to diagnose it as it runs, or pass the function autocast wraps."
+            )
+    return original, own_dtype if dtype is None else dtype, policy or own_policy
 
 
 def is_float(x) -> bool:

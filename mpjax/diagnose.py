@@ -25,10 +25,10 @@ def diagnose(
     loss_fn: Callable,
     params: Any,
     *batch,
-    dtype=jnp.float16,
+    dtype=None,
     scale: Any = None,
     has_aux: bool = False,
-    policy: str = "torch",
+    policy: str | None = None,
 ) -> DiagnoseReport:
     """Runs one training step in 16 bits and reports where it overflows or underflows.
 
@@ -64,19 +64,21 @@ def diagnose(
 
     Args:
       loss_fn: ``loss_fn(params, *batch)`` returns a scalar loss (``(loss, aux)``
-        with `has_aux`). Pass the function you wrap with `autocast`, not the
-        wrapped one (an `autocast` function is unwrapped).
+        with `has_aux`). Pass the function you wrap with `autocast`, or the `autocast`
+        function (in a ``functools.partial`` too), unwrapped, its dtype and policy the
+        defaults (one called inside another function keeps its own dtype).
       params: what to differentiate: a pytree of arrays (Flax Linen variables
         with ``lambda v, x: model.apply(v, x)``), or a Flax NNX module, whose
         ``nnx.Param`` state is differentiated (its other state, BatchNorm
         statistics or RNG counts, is used and left unchanged).
       *batch: the other arguments of `loss_fn`; non-array leaves are static.
-      dtype: ``jnp.float16`` (default), ``jnp.bfloat16``, or ``"both"``.
+      dtype: ``jnp.float16``, ``jnp.bfloat16``, or ``"both"``. Default: an autocast
+        `loss_fn`'s (another is a ValueError), else float16.
       scale: the loss scale: a number, or an optimizer state holding
         `grad_scaler`'s state (its current scale is used). Default: ``2**16``
         for float16, 1 for bfloat16.
       has_aux: whether `loss_fn` returns ``(loss, aux)``.
-      policy: autocast's policy, ``"torch"`` or ``"lean"``.
+      policy: ``"torch"`` or ``"lean"``; default: an autocast `loss_fn`'s, else ``"torch"``.
 
     Returns:
       A `DiagnoseReport`: ``print(report)`` for the tables,
@@ -95,9 +97,10 @@ def diagnose(
       True
       >>> print(report)  # doctest: +SKIP
     """
+    loss_fn, dtype, policy = da.unwrap(loss_fn, dtype, policy)
     dtypes = da.check_options(loss_fn, dtype, has_aux, policy)
     scales = {name: da.check_scale(scale, name) for name in dtypes}
-    return _report(da.problem(da.unwrap(loss_fn), params, batch, has_aux), scales, policy)
+    return _report(da.problem(loss_fn, params, batch, has_aux), scales, policy)
 
 
 def _report(problem: da.Problem, scales: dict[str, float], policy: str) -> DiagnoseReport:

@@ -386,6 +386,30 @@ def test_bad_input():
         mpjax.diagnose(loss_fn, w, x, policy="fast")
 
 
+def test_an_autocast_function_is_diagnosed_at_its_own_dtype_and_labelled_so():
+    """Unwrapped (also from a functools.partial), an autocast function runs at its own
+    dtype unless another is asked for, which is an error, not a silent float16 run."""
+    import functools
+
+    def loss_fn(w, x):
+        return jnp.mean((x @ w * 1e-5 - 1.0) ** 2)  # the product, 1e5, overflows float16
+
+    w, x = jnp.full((64, 8), 40.0), jnp.full((4, 64), 50.0)
+    assert mpjax.diagnose(loss_fn, w, x).runs[0].forward.primitive == "dot_general"
+    in_bfloat16 = mpjax.autocast(loss_fn, dtype=jnp.bfloat16)
+    for fn in [in_bfloat16, functools.partial(in_bfloat16)]:
+        (run,) = mpjax.diagnose(fn, w, x).runs
+        assert run.dtype == "bfloat16" and run.forward is None
+    assert [r.dtype for r in mpjax.diagnose(in_bfloat16, w, x, dtype="both").runs] == [
+        "float16",
+        "bfloat16",
+    ]
+    with pytest.raises(ValueError, match=r"diagnose\(dtype=jnp.float16\).*dtype bfloat16.*Leave"):
+        mpjax.diagnose(in_bfloat16, w, x, dtype=jnp.float16)
+    with pytest.raises(ValueError, match=r"diagnose\(policy='torch'\).*policy lean"):
+        mpjax.diagnose(mpjax.autocast(loss_fn, policy="lean"), w, x, policy="torch")
+
+
 def test_checkpointed_forward_values_are_not_counted_as_gradients():
     """Values a `jax.checkpoint` recomputes in the backward pass are forward
     values (the loss scale does not reach them): same figures either way."""
