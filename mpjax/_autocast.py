@@ -40,25 +40,27 @@ from mpjax.interpreter import Context, Scope, eval_jaxpr
 POLICIES = ("torch", "lean")
 
 
-def _check_dtype(dtype) -> np.dtype:
+def _check_dtype(dtype, enabled=True) -> np.dtype:
     resolved = policy.dtype_named(dtype)
     if resolved not in policy.LOW_DTYPES:
+        fix = "To run a region in float32, use autocast(fun, enabled=False)." if enabled else (
+            "Spell it jnp.float16, jnp.bfloat16, 'float16' or 'bfloat16' (or jnp.float32).")
         raise ValueError(
             f"autocast(dtype={dtype!r}): dtype must be jnp.float16 or jnp.bfloat16, "
-            "the precision that matrix products run in. To run a region in float32, "
-            "use autocast(fun, enabled=False)."
+            f"the precision that matrix products run in. {fix}"
         )
     return resolved
 
 
-def _check_reduce_dtype(reduce_dtype, low: np.dtype) -> bool:
-    """Validates `reduce_dtype`; returns whether gradients are summed in `low`."""
+def _check_reduce_dtype(reduce_dtype, low: np.dtype | None) -> bool:
+    """Validates `reduce_dtype`; returns whether gradients are summed in `low` (None: a
+    region disabled with dtype=jnp.float32, which has no 16-bit dtype)."""
     resolved = None if reduce_dtype is None else policy.dtype_named(reduce_dtype)
     if resolved not in (F32, low):
+        low_too = "" if low is None else f" or jnp.{low.name}, the autocast dtype (half the traffic)"
         raise ValueError(
             f"autocast(reduce_dtype={reduce_dtype!r}): reduce_dtype must be jnp.float32 "
-            f"(the default: weight gradients summed and all-reduced in float32) or "
-            f"jnp.{low.name}, the autocast dtype (all-reduced in 16 bits, half the bandwidth)."
+            f"(the default: weight gradients summed and all-reduced in float32){low_too}."
         )
     return resolved == low
 
@@ -155,9 +157,8 @@ class _Decorator:
     def __call__(self, fun, *args, **kwargs):
         if args or kwargs:  # autocast(dtype=...)(params, x): the function forgotten
             raise TypeError(
-                "autocast(dtype=...) without a function returns a decorator, which takes "
-                "the function alone; it was called with the function's arguments. Pass "
-                "the function first: autocast(loss_fn, dtype=...)(params, x)."
+                "autocast(dtype=...) without a function returns a decorator, which takes the "
+                "function alone. Pass the function first: autocast(loss_fn, dtype=...)(params, x)."
             )
         return self._apply(fun)
 
@@ -179,10 +180,10 @@ def _check_options(dtype, enabled, policy, reduce_dtype) -> tuple[np.dtype, bool
     # torch's autocast(dtype=float32, enabled=False): a disabled region runs as
     # written, which is what float32 says too.
     float32_off = not enabled and policy_module.dtype_named(dtype) == F32
-    low = np.dtype(jnp.float16) if float32_off else _check_dtype(dtype)
+    low = np.dtype(jnp.float16) if float32_off else _check_dtype(dtype, enabled)
     if policy not in POLICIES:
         raise ValueError(f"autocast(policy={policy!r}): policy must be one of {POLICIES}.")
-    return low, _check_reduce_dtype(reduce_dtype, low)
+    return low, _check_reduce_dtype(reduce_dtype, None if float32_off else low)
 
 
 def _check_fun(fun) -> None:
@@ -209,6 +210,12 @@ def _check_fun(fun) -> None:
         raise TypeError(
             f"autocast(fun): got a {kind} object, which a class would no longer bind as "
             f"one. Put @{kind} above @autocast, as the outermost decorator."
+        )
+    if isinstance(fun, str) and policy_module.dtype_named(fun) is not None:
+        raise TypeError(
+            f"autocast({fun!r}): autocast takes the function to transform first; {fun!r} "
+            f"looks like a dtype. Pass it by keyword: autocast(fun, dtype={fun!r}), "
+            "or autocast(dtype=...) as a decorator."
         )
     if isinstance(fun, str):  # torch's autocast("cuda", dtype=...)
         raise TypeError(

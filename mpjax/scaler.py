@@ -276,7 +276,7 @@ def noop_scaler(
 
 def _loss_scaler(inner, config: ScalerConfig) -> optax.GradientTransformationExtraArgs:
     """The transformation behind `grad_scaler`, `static_scaler`, `noop_scaler`."""
-    inner = optax.with_extra_args_support(inner)
+    inner = _pair_returning(optax.with_extra_args_support(inner), config.name)
 
     def init_fn(params):
         inner_state = inner.init(params)
@@ -326,3 +326,21 @@ def _loss_scaler(inner, config: ScalerConfig) -> optax.GradientTransformationExt
 def _first_tracker(config: ScalerConfig) -> int:
     """A fresh state's growth tracker, which also tells what kind of scaler made it."""
     return (0 if config.dynamic else STATIC) if config.enabled else DISABLED
+
+
+def _pair_returning(inner, name: str) -> optax.GradientTransformationExtraArgs:
+    """`inner`, whose update is refused where it returns no ``(updates, new_state)``
+    pair (the updates alone, say), which would fail deep inside the scaler."""
+
+    def update(updates, state, params=None, **extra):
+        out = inner.update(updates, state, params, **extra)
+        if isinstance(out, (tuple, list)) and len(out) == 2:
+            return tuple(out)
+        what = f" of {len(out)} values" if isinstance(out, (tuple, list)) else ""
+        raise ValueError(
+            f"{name}: the wrapped optimizer's update must return (updates, new_state), as "
+            f"optax's do; it returned a {type(out).__name__}{what}. End it with "
+            "`return updates, state`."
+        )
+
+    return inner._replace(update=update)

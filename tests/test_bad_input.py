@@ -673,6 +673,23 @@ def test_the_decorator_form_called_with_arrays_shows_the_call_with_the_function(
     assert loss(PARAMS).dtype == jnp.float32
 
 
+def test_messages_name_what_the_user_passed():
+    f = lambda x: x
+    with pytest.raises(ValueError, match=r"must be jnp.float32 \(the default[^)]*\)\.$") as e:
+        mpjax.autocast(f, dtype=jnp.float32, enabled=False, reduce_dtype=jnp.bfloat16)
+    assert "jnp.float16" not in str(e.value)  # no autocast dtype the user never gave
+    with pytest.raises(ValueError, match=r"dtype='fp16'.*Spell it jnp.float16") as e:
+        mpjax.autocast(f, dtype="fp16", enabled=False)
+    assert "enabled=False)" not in str(e.value)  # not the fix already taken
+    with pytest.raises(TypeError, match=r"'float16' looks like a dtype.*dtype='float16'"):
+        mpjax.autocast("float16")
+    updates_only = optax.GradientTransformation(lambda p: optax.EmptyState(), lambda g, s, p: g)
+    tx = grad_scaler(updates_only)
+    for update in [tx.update, jax.jit(tx.update)]:
+        with pytest.raises(ValueError, match=r"must return \(updates, new_state\).*a dict"):
+            update(PARAMS, tx.init(PARAMS), PARAMS)
+
+
 def test_rule_for_takes_a_name_or_a_primitive():
     assert mpjax.rule_for(jax.lax.exp_p) is mpjax.rule_for("exp") is mpjax.Rule.FLOAT32
     with pytest.raises(TypeError, match=r"rule_for\(primitive_name\): expected a primitive"):
