@@ -57,7 +57,7 @@ def _check_reduce_dtype(reduce_dtype, low: np.dtype | None) -> bool:
     region disabled with dtype=jnp.float32, which has no 16-bit dtype)."""
     resolved = None if reduce_dtype is None else policy.dtype_named(reduce_dtype)
     if resolved not in (F32, low):
-        low_too = "" if low is None else f" or jnp.{low.name}, the autocast dtype (half the traffic)"
+        low_too = "" if low is None else f" or jnp.{low.name}, the autocast dtype (16-bit sums)"
         raise ValueError(
             f"autocast(reduce_dtype={reduce_dtype!r}): reduce_dtype must be jnp.float32 "
             f"(the default: weight gradients summed and all-reduced in float32){low_too}."
