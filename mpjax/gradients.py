@@ -149,12 +149,12 @@ def _current_scale_check(state) -> Callable[[], None]:
     scale, tracker = _value(state.scale), _value(state.growth_tracker)
     if _compat.is_tracer(scale) or _compat.is_tracer(tracker):
         return lambda: None  # read inside the step: the step's own
-    if not np.any(np.asarray(tracker) >= 0):
-        return lambda: None  # a static or disabled scaler's, which never changes
 
     def check() -> None:
         if _compat.staging_trace(under_others=True) is None:
             return  # eagerly, or under vmap or grad of an eager call: current
+        if not np.any(np.asarray(tracker) >= 0):  # read here: no host sync eagerly
+            return  # a static or disabled scaler's, which never changes
         shown = np.asarray(scale)
         shown = f"{float(shown):g}" if shown.ndim == 0 else f"of shape {shown.shape}"
         raise ValueError(
