@@ -49,7 +49,18 @@ def _remat(ctx: Context, eqn, vals, weak):
     checkpointed = jax.checkpoint(
         body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"]
     )
-    return list(checkpointed(*vals))
+    if not eqn.params.get("differentiated"):
+        return list(checkpointed(*vals))
+    # A checkpoint of a backward pass (``autocast(jax.grad(f))``) is marked so: only
+    # then does XLA keep it from merging the recomputation into the forward pass
+    # (which keeps every activation the checkpoint was there to drop).
+    closed = jax.make_jaxpr(checkpointed)(*vals)
+    env = dict(zip(closed.jaxpr.constvars, closed.consts)) | dict(zip(closed.jaxpr.invars, vals))
+    read = lambda v: v.val if isinstance(v, _compat.Literal) else env[v]  # noqa: E731
+    for made in closed.jaxpr.eqns:  # the checkpoint, and a convert of a literal at most
+        marked = {"differentiated": True} if made.primitive is eqn.primitive else {}
+        env.update(zip(made.outvars, _compat.bind(made, *map(read, made.invars), **marked)))
+    return [read(v) for v in closed.jaxpr.outvars]
 
 
 def _shard_map(ctx: Context, eqn, vals, weak):

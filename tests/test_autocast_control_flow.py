@@ -239,6 +239,33 @@ def test_checkpoint_keeps_policy_and_is_autocast(low):
     assert dots and all(_operand_dtypes(e) == {low} for e in dots)
 
 
+def _blocks(w, x, remat=True):
+    h = x
+    for i in range(w.shape[0]):
+        block = lambda h, w: h + jnp.tanh(jnp.sin(h @ w) * 2.0)  # noqa: E731
+        policy = jax.checkpoint_policies.nothing_saveable
+        h = (jax.checkpoint(block, policy=policy) if remat else block)(h, w[i])
+    return jnp.mean(h**2)
+
+
+def test_a_checkpoint_in_a_gradient_under_autocast_still_drops_activations(low):
+    # autocast(jax.grad(f)) re-binds the backward pass's checkpoints: they stay
+    # marked as differentiated, without which XLA merges each recomputation into
+    # the forward pass and keeps every activation, as if there were no checkpoint.
+    w = 0.04 * jax.random.normal(jax.random.key(1), (6, 256, 256))
+    x = jax.random.normal(jax.random.key(0), (256, 256))
+    marks = lambda f: {  # noqa: E731
+        (e.params["differentiated"], e.params["prevent_cse"])
+        for e in jax.make_jaxpr(f)(w, x).eqns if e.primitive.name == "remat2"
+    }
+    remat = mpjax.autocast(jax.grad(_blocks), dtype=low)
+    assert marks(remat) == marks(jax.grad(_blocks)) == {(True, True)}
+    temp = lambda f: jax.jit(f).lower(w, x).compile().memory_analysis().temp_size_in_bytes  # noqa: E731
+    plain = mpjax.autocast(jax.grad(functools.partial(_blocks, remat=False)), dtype=low)
+    assert temp(remat) < 0.9 * temp(plain), (temp(remat), temp(plain))
+    np.testing.assert_array_equal(remat(w, x), plain(w, x))
+
+
 @pytest.mark.parametrize(
     "act",
     [jax.nn.relu, jax.nn.softplus, jax.nn.silu, jax.nn.gelu],
