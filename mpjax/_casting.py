@@ -40,6 +40,14 @@ def fewer(a, b) -> bool:
             return False
 
 
+def promoted(a, b) -> np.dtype:
+    """JAX's standard promotion of dtypes `a` and `b`, whatever the user's promotion
+    mode: under "strict", a mix of 16-bit and float32 that autocast made is no mix
+    the user wrote, nor one they could cast away."""
+    with jax.numpy_dtype_promotion("standard"):
+        return np.dtype(jnp.promote_types(a, b))
+
+
 def is_concrete(x) -> bool:
     """Whether `x` is a value known at trace time (a literal), not a tracer."""
     return isinstance(x, (np.ndarray, np.generic))

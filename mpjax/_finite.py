@@ -64,7 +64,7 @@ def nonfinite_sum(x, axis=None) -> jax.Array:
     # Over every axis, not a ravel: a leaf sharded along any axis is reduced where
     # it lies, and its sums meet in one scalar all-reduce. Accumulated in float32
     # at least: a 16-bit sum is what jax_allow_f16_reductions=False rejects.
-    dtype = jnp.promote_types(jnp.result_type(x), jnp.float32)
+    dtype = _casting.promoted(jnp.result_type(x), jnp.float32)
     total = jnp.sum(x - x, axis=axis, dtype=dtype)
     if jnp.iscomplexobj(total):
         total = total.real + total.imag

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from mpjax import _compat, _finite, _one_kernel, _skip, _subtrees
+from mpjax import _casting, _compat, _finite, _one_kernel, _skip, _subtrees
 from mpjax._skip import select as _select
 from mpjax._float32 import _mul_f32_by_f64
 from mpjax.scaler_state import DISABLED, STATIC, SubtreeFlags
@@ -370,7 +370,7 @@ def _next_scale(
 
 
 def accumulator_dtype(p):
-    return jnp.promote_types(jnp.result_type(p), jnp.float32)
+    return _casting.promoted(jnp.result_type(p), jnp.float32)
 
 
 def _no_updates_where(pred, updates):

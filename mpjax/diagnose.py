@@ -15,6 +15,7 @@ from mpjax import _diagnose_advice as advice
 from mpjax import _diagnose_args as da
 from mpjax import _diagnose_walk as dw
 from mpjax._autocast import autocast, trace_arrays
+from mpjax._casting import promoted
 from mpjax._diagnose_report import RANGES, DiagnoseReport, LayerRange, LeafGradient, Origin, Run
 from mpjax._products import RECAST_SCOPE
 
@@ -137,7 +138,7 @@ class _Program:
             def scaled(leaves):
                 loss = fn(leaves, *batch)
                 with jax.named_scope(_OWN_SCOPE):  # not the user's: left out of the tables
-                    wide = jnp.promote_types(loss.dtype, jnp.float32)
+                    wide = promoted(loss.dtype, jnp.float32)
                     return loss.astype(wide) * scale.astype(wide), loss
 
             (_, loss), grads = jax.value_and_grad(scaled, has_aux=True)(leaves)

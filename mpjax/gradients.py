@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpjax import _compat
+from mpjax._casting import promoted
 from mpjax._float32 import reciprocal
 from mpjax._regions import SCALED
 from mpjax.scaler_state import _find_state, _value
@@ -94,7 +95,7 @@ def scaled_value_and_grad(
     def scaled_fun(*args, **kwargs):
         out = fun(*args, **kwargs)
         loss, aux = _loss_and_aux(out, has_aux, _differentiated(args, argnums))
-        dtype = jnp.promote_types(loss.dtype, jnp.float32)
+        dtype = promoted(loss.dtype, jnp.float32)
         return loss.astype(dtype) * scale.astype(dtype), (loss, aux)
 
     def wrapped(*args, **kwargs):
@@ -193,8 +194,8 @@ def unscale(grads, scale: jax.Array):
             return g  # float0 gradients of integer inputs
         if any(getattr(k, "key", None) == _OVERWRITE_WITH_GRADIENT for k in path):
             return g  # Flax fp8's new scales and amax histories, not gradients
-        wide = jnp.promote_types(g.dtype, jnp.float32)
-        return (g.astype(wide) * inverse * tail).astype(g.dtype)
+        wide = promoted(g.dtype, jnp.float32)
+        return (g.astype(wide) * inverse.astype(wide) * tail.astype(wide)).astype(g.dtype)
 
     return jax.tree_util.tree_map_with_path(one, grads)
 

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import numpy as np
 import jax.numpy as jnp
 
-from mpjax import _compat
+from mpjax import _casting, _compat
 
 
 class Rule(enum.Enum):
@@ -350,7 +350,7 @@ def widest(dtypes: Iterable) -> np.dtype | None:
     """The narrowest dtype that holds all of `dtypes` (float16 + bfloat16 -> float32)."""
     out = None
     for d in dtypes:
-        out = np.dtype(d) if out is None else np.dtype(jnp.promote_types(out, d))
+        out = np.dtype(d) if out is None else _casting.promoted(out, d)
     return out
 
 

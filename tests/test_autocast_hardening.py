@@ -2024,3 +2024,31 @@ def test_a_jit_of_jax_nn_silu_fuses_as_silu_does():
     }
     chex.assert_trees_all_equal(grads["jit(silu)"], grads["silu"])
     assert np.all(np.isfinite(grads["silu"]))
+
+
+_FLOAT32_PROGRAMS = {
+    "bias add": lambda w, b, x: jnp.sum(x @ w + b),
+    "standardize": lambda w, b, x: jnp.sum(jax.nn.standardize(x @ w, -1) * b),
+    "logsumexp": lambda w, b, x: jnp.sum(jax.nn.logsumexp(x @ w + b, -1)),
+    "zeros accumulator": lambda w, b, x: jnp.sum(jnp.zeros((2, 4)) + x @ w + b),
+}
+
+
+@pytest.mark.parametrize("policy", ["torch", "lean"])
+@pytest.mark.parametrize("name", sorted(_FLOAT32_PROGRAMS))
+def test_strict_dtype_promotion_runs_what_plain_jax_runs(name, policy, low):
+    # The user's program is all float32, which "strict" accepts; the 16-bit values
+    # next to float32 ones are autocast's, and its own casts settle them.
+    f = mpjax.autocast(_FLOAT32_PROGRAMS[name], dtype=low, policy=policy)
+    args = (jnp.linspace(-1.0, 1.0, 32).reshape(8, 4), jnp.full((4,), 0.5), jnp.ones((2, 8)))
+    expected = f(*args), jax.jit(jax.grad(f, argnums=(0, 1)))(*args)
+    with jax.numpy_dtype_promotion("strict"):
+        got = f(*args), jax.jit(jax.grad(f, argnums=(0, 1)))(*args)
+    chex.assert_trees_all_equal(got, expected)
+
+
+def test_strict_dtype_promotion_still_checks_the_users_own_code():
+    f = mpjax.autocast(lambda x, y: jnp.sum(x + y))
+    with jax.numpy_dtype_promotion("strict"):
+        with pytest.raises(jax.dtypes.TypePromotionError):
+            f(jnp.ones(3, jnp.float16), jnp.ones(3, jnp.float32))

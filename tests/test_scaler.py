@@ -457,6 +457,32 @@ def test_unscaling_keeps_each_leaf_dtype():
     chex.assert_trees_all_equal(grads, jax.tree.map(lambda x: 2 * x, inputs))
 
 
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("loss_dtype", [jnp.bfloat16, jnp.float32])
+def test_a_bfloat16_step_under_strict_dtype_promotion(loss_dtype, jit):
+    # bfloat16 parameters and loss, all the user's dtypes agreeing: "strict" accepts
+    # the program, and the scaler's own float32 arithmetic must not trip it.
+    params = {"w": jnp.full((8, 4), 0.1, jnp.bfloat16), "v": jnp.full((4, 2), 0.5, jnp.bfloat16)}
+    x = jnp.ones((2, 8), jnp.bfloat16)
+
+    def loss_fn(p, x):
+        return jnp.mean(x @ p["w"] @ p["v"], dtype=jnp.float32).astype(loss_dtype)
+
+    tx = grad_scaler(optax.sgd(0.1), init_scale=2.0**10)
+
+    def step(params, state, x):
+        loss, grads = scaled_value_and_grad(loss_fn, state)(params, x)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    step = jax.jit(step) if jit else step
+    expected = step(params, tx.init(params), x)
+    with jax.numpy_dtype_promotion("strict"):
+        got = step(params, tx.init(params), x)
+    chex.assert_trees_all_equal(got, expected)
+    assert not bool(got[1].last_step_skipped)
+
+
 def test_scale_below_one_overflowing_on_unscaling_is_skipped():
     # A finite float16 gradient that overflows once divided by a scale < 1: torch
     # (which checks the scaled values) would apply inf; the scaler skips.
