@@ -33,7 +33,7 @@ from mpjax import control_flow  # noqa: F401  (registers the higher-order rules)
 from mpjax import custom_rules  # noqa: F401  (registers the custom-derivative rules)
 from mpjax import policy
 from mpjax import policy as policy_module  # `policy` is also autocast's argument
-from mpjax._casting import F32
+from mpjax._casting import F32, dtype_named
 from mpjax._regions import Region
 from mpjax.interpreter import Context, Scope, eval_jaxpr
 
@@ -41,7 +41,7 @@ POLICIES = ("torch", "lean")
 
 
 def _check_dtype(dtype, enabled=True) -> np.dtype:
-    resolved = policy.dtype_named(dtype)
+    resolved = dtype_named(dtype, "autocast(dtype")
     if resolved not in policy.LOW_DTYPES:
         fix = "To run a region in float32, use autocast(fun, enabled=False)." if enabled else (
             "Spell it jnp.float16, jnp.bfloat16, 'float16' or 'bfloat16' (or jnp.float32).")
@@ -55,7 +55,7 @@ def _check_dtype(dtype, enabled=True) -> np.dtype:
 def _check_reduce_dtype(reduce_dtype, low: np.dtype | None) -> bool:
     """Validates `reduce_dtype`; returns whether gradients are summed in `low` (None: a
     region disabled with dtype=jnp.float32, which has no 16-bit dtype)."""
-    resolved = None if reduce_dtype is None else policy.dtype_named(reduce_dtype)
+    resolved = None if reduce_dtype is None else dtype_named(reduce_dtype, "autocast(reduce_dtype")
     if resolved not in (F32, low):
         low_too = "" if low is None else f" or jnp.{low.name}, the autocast dtype (16-bit sums)"
         raise ValueError(
@@ -179,7 +179,7 @@ def _check_options(dtype, enabled, policy, reduce_dtype) -> tuple[np.dtype, bool
         raise TypeError(f"autocast(enabled={enabled!r}): enabled must be a Python bool.")
     # torch's autocast(dtype=float32, enabled=False): a disabled region runs as
     # written, which is what float32 says too.
-    float32_off = not enabled and policy_module.dtype_named(dtype) == F32
+    float32_off = not enabled and dtype_named(dtype) == F32
     low = np.dtype(jnp.float16) if float32_off else _check_dtype(dtype, enabled)
     if policy not in POLICIES:
         raise ValueError(f"autocast(policy={policy!r}): policy must be one of {POLICIES}.")
@@ -211,7 +211,7 @@ def _check_fun(fun) -> None:
             f"autocast(fun): got a {kind} object, which a class would no longer bind as "
             f"one. Put @{kind} above @autocast, as the outermost decorator."
         )
-    if isinstance(fun, str) and policy_module.dtype_named(fun) is not None:
+    if isinstance(fun, str) and dtype_named(fun) is not None:
         raise TypeError(
             f"autocast({fun!r}): autocast takes the function to transform first; {fun!r} "
             f"looks like a dtype. Pass it by keyword: autocast(fun, dtype={fun!r}), "

@@ -48,6 +48,29 @@ def promoted(a, b) -> np.dtype:
         return np.dtype(jnp.promote_types(a, b))
 
 
+def dtype_named(spec, argument: str | None = None) -> np.dtype | None:
+    """The dtype `spec` names (a dtype, its scalar type, or its name), or None.
+
+    A tuple or list is none: NumPy reads ``(float16, bfloat16)`` as a float16
+    sub-array type, which would run one dtype where two were asked for. Nor is a
+    value, an array or a scalar (``np.float16(3)``): NumPy reads it as its dtype,
+    taking data passed by mistake for a setting. Given the `argument` it came as
+    (``"autocast(dtype"``), a value raises TypeError naming it."""
+    if not isinstance(spec, (str, type, np.dtype)):
+        if argument is not None and hasattr(spec, "dtype"):
+            name = argument.partition("(")[2]
+            raise TypeError(
+                f"{argument}=...): {name} must be a dtype, such as jnp.bfloat16 or 'float32', "
+                f"not a value: got a {spec.dtype} array of shape {np.shape(spec)}. For a "
+                f"value's dtype, pass x.dtype."
+            )
+        return None
+    try:
+        return np.dtype(spec)
+    except TypeError:
+        return None
+
+
 def is_concrete(x) -> bool:
     """Whether `x` is a value known at trace time (a literal), not a tracer."""
     return isinstance(x, (np.ndarray, np.generic))

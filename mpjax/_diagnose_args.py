@@ -15,6 +15,7 @@ import numpy as np
 from mpjax import _nnx
 from mpjax import policy as policy_module
 from mpjax._autocast import POLICIES
+from mpjax._casting import dtype_named
 from mpjax._marks import original_of, region_of
 from mpjax._float32 import MAX_F32, MIN_NORMAL_F32
 from mpjax.scaler_state import get_scale
@@ -36,7 +37,7 @@ def check_options(loss_fn, dtype, has_aux, policy) -> list[str]:
         raise ValueError(f"diagnose(policy={policy!r}): policy must be one of {POLICIES}.")
     if isinstance(dtype, str) and dtype == "both":
         return ["float16", "bfloat16"]
-    resolved = policy_module.dtype_named(dtype)
+    resolved = dtype_named(dtype, "diagnose(dtype")
     name = None if resolved is None else resolved.name
     if name not in DTYPES:
         raise ValueError(
@@ -89,7 +90,7 @@ def unwrap(fun, dtype, policy) -> tuple[Callable, object, str]:
         return fun, jnp.float16 if dtype is None else dtype, policy or "torch"
     own_dtype, own_policy = region.dtype.name, "lean" if region.lean else "torch"
     given = None if isinstance(dtype, str) and dtype == "both" else dtype
-    given = getattr(policy_module.dtype_named(given), "name", None)  # checked later
+    given = getattr(dtype_named(given), "name", None)  # checked later
     for name, asked, own in [("dtype", given, own_dtype), ("policy", policy, own_policy)]:
         if asked in (*DTYPES, *POLICIES) and asked != own:
             shown = f"jnp.{asked}" if name == "dtype" else repr(asked)

@@ -78,8 +78,21 @@ class AuditReport:
         return self.low_precision_flops / self.matmul_flops if self.matmul_flops else 1.0
 
     def find(self, primitive: str) -> list[Equation]:
-        """The equations of one primitive, e.g. ``report.find("dot_general")``."""
-        return [e for e in self.equations if e.primitive == primitive]
+        """The equations of one primitive, e.g. ``report.find("dot_general")``.
+
+        Names are JAX's primitives' (or the primitive, ``jax.lax.dot_general_p``): a
+        name on torch's autocast op lists that is no JAX primitive's (``"matmul"``)
+        raises ValueError naming what to find instead."""
+        name = getattr(primitive, "name", primitive)  # a Primitive: jax.lax.exp_p
+        if not isinstance(name, str):
+            raise TypeError(
+                f"AuditReport.find(primitive): expected a primitive's name such as "
+                f"'dot_general', got {type(primitive).__name__}."
+            )
+        found = [e for e in self.equations if e.primitive == name]
+        if not found:
+            policy.check_not_torch_name(name, "AuditReport.find")
+        return found
 
     def summary(self) -> dict[tuple[str, tuple[str, ...], tuple[str, ...]], int]:
         """Counts of (primitive, input dtypes, output dtypes)."""

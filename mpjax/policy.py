@@ -262,7 +262,7 @@ def rule_for(primitive_name: str, lean: bool = False) -> Rule:
         primitives', not torch's: an unknown name runs as written, and a name on
         torch's autocast op lists that is no JAX primitive's (``"matmul"``,
         ``"conv2d"``, ``"softplus"``) raises ValueError naming what to look up.
-      lean: the rule under ``autocast(..., policy="lean")``.
+      lean: a bool: the rule under ``autocast(..., policy="lean")``.
 
     Examples:
       >>> from mpjax import Rule, rule_for
@@ -281,14 +281,21 @@ def rule_for(primitive_name: str, lean: bool = False) -> Rule:
                 f"'dot_general' (eqn.primitive.name), got {type(primitive_name).__name__}."
             )
         primitive_name = name
-    if primitive_name not in POLICY and primitive_name in _TORCH_NAMES:
-        raise ValueError(
-            f"rule_for({primitive_name!r}): {primitive_name!r} is torch's name, not a JAX "
-            f"primitive's; look up {_TORCH_NAMES[primitive_name]} instead."
-        )
+    if not isinstance(lean, (bool, np.bool_)):  # a string such as "False" is truthy
+        raise TypeError(f"rule_for(lean={lean!r}): lean must be a bool, True for policy='lean'.")
+    check_not_torch_name(primitive_name, "rule_for")
     if lean and primitive_name in LEAN_OVERRIDES:
         return LEAN_OVERRIDES[primitive_name]
     return POLICY.get(primitive_name, Rule.ORIGINAL)
+
+
+def check_not_torch_name(name: str, where: str) -> None:
+    """Raises ValueError for a name on torch's op lists that no JAX primitive has."""
+    if name not in POLICY and name in _TORCH_NAMES:
+        raise ValueError(
+            f"{where}({name!r}): {name!r} is torch's name, not a JAX primitive's; "
+            f"look up {_TORCH_NAMES[name]} instead."
+        )
 
 
 def equation_rule(eqn, lean: bool = False) -> Rule:
@@ -323,19 +330,6 @@ def _vector_dots(eqn) -> bool:
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
     lhs, rhs = (v.aval.ndim for v in eqn.invars[:2])
     return len(lhs_contract) + len(lhs_batch) == lhs and len(rhs_contract) + len(rhs_batch) == rhs
-
-
-def dtype_named(spec) -> np.dtype | None:
-    """The dtype `spec` names (a dtype, its scalar type, or its name), or None.
-
-    A tuple or list is none: NumPy reads ``(float16, bfloat16)`` as a float16
-    sub-array type, which would run one dtype where two were asked for."""
-    if isinstance(spec, (tuple, list, dict)):
-        return None
-    try:
-        return np.dtype(spec)
-    except TypeError:
-        return None
 
 
 def is_castable(dtype) -> bool:

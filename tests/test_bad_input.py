@@ -32,7 +32,9 @@ remaining inputs.
 | ``autocast(dtype=...)(params, x)`` (the function forgotten) | TypeError: ``autocast(dtype=...)`` returns a decorator; ``autocast(loss_fn, dtype=...)(params, x)`` |
 | ``with autocast():`` (torch's spelling)                            | TypeError: autocast is a function transform, not a context manager, and how to wrap |
 | ``rule_for(42)``; ``rule_for(jax.lax.exp_p)``                        | TypeError naming ``primitive_name``; a primitive is read by its name |
-| ``rule_for("matmul")``, ``rule_for("conv2d")``, ``rule_for("softplus")``: any name on torch's CUDA autocast op lists that is no JAX primitive's | ValueError naming the JAX primitive to look up instead of answering ORIGINAL |
+| ``rule_for("matmul")``, ``rule_for("conv2d")``, ``rule_for("softplus")``: any name on torch's CUDA autocast op lists that is no JAX primitive's | ValueError naming the JAX primitive to look up instead of answering ORIGINAL; ``AuditReport.find("matmul")`` likewise, rather than an empty list |
+| ``rule_for("gather", lean="False")``, ``lean=1``; ``AuditReport.find(1)`` | TypeError naming ``lean`` (a string is truthy); naming ``primitive`` |
+| ``autocast(f, dtype=jnp.ones(3, jnp.bfloat16))``, ``dtype=np.float16(3)``, ``reduce_dtype=jnp.zeros(2)``, ``diagnose(..., dtype=array)``: a value for a dtype | TypeError at wrap time naming the argument: a dtype, not a value (NumPy would read the value as its dtype); ``x.dtype`` for a value's |
 | ``autocast(LinenModel)`` (a class) | TypeError at wrap time: autocast ``model.apply`` |
 | ``autocast(LinenModel())`` unbound, a module bound with ``mutable=`` whose call writes a collection | TypeError when called: autocast ``model.apply`` (a call Flax can run unbound, or one that writes nothing, runs) |
 | ``static_scaler``'s init on float16 parameters, its update on a wrong state | the errors name ``static_scaler``, not ``grad_scaler`` |
@@ -59,6 +61,7 @@ import dataclasses
 import chex
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -334,6 +337,29 @@ def test_reduce_dtype_in_16_bits_keeps_16_bit_product_results(low):
         mpjax.autocast(lambda a: a @ a, dtype=low, reduce_dtype=low), jnp.ones((2, 2))
     )
     assert [e.out_dtypes for e in report.find("dot_general")] == [(np.dtype(low).name,)]
+
+
+@pytest.mark.parametrize(
+    "value", [jnp.ones(3, jnp.bfloat16), np.float16(3), jnp.float16(1), np.zeros(2, np.float16)]
+)
+def test_a_value_given_for_a_dtype_is_refused_naming_the_argument(value):
+    # NumPy reads an array or a scalar as its dtype: data passed by mistake for a
+    # setting would run as if its dtype had been given.
+    for name in ["dtype", "reduce_dtype"]:
+        with pytest.raises(TypeError, match=rf"autocast\({name}=\.\.\.\): {name} must be a "
+                           r"dtype.* not a value.*pass x\.dtype"):  # fmt: skip
+            mpjax.autocast(lambda x: x, **{name: value})
+    with pytest.raises(TypeError, match=r"diagnose\(dtype=\.\.\.\): dtype must be a dtype"):
+        mpjax.diagnose(lambda w, x: jnp.sum(x @ w), jnp.ones((4, 2)), jnp.ones((3, 4)), dtype=value)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [jnp.bfloat16, np.float16, ml_dtypes.bfloat16, np.dtype("bfloat16"), jnp.dtype("float16")],
+)
+def test_dtype_likes_are_accepted(dtype):
+    report = mpjax.audit(mpjax.autocast(lambda a: a @ a, dtype=dtype), jnp.ones((2, 2)))
+    assert [e.in_dtypes for e in report.find("dot_general")] == [(np.dtype(dtype).name,) * 2]
 
 
 @pytest.mark.parametrize("name, low", [("float16", jnp.float16), ("bfloat16", jnp.bfloat16)])
@@ -704,6 +730,24 @@ def test_rule_for_takes_a_name_or_a_primitive():
 def test_rule_for_a_torch_name_points_to_the_jax_primitive(name, primitive):
     with pytest.raises(ValueError, match=rf"rule_for\('{name}'\): .*torch's name.*{primitive}"):
         mpjax.rule_for(name)
+
+
+@pytest.mark.parametrize("lean", ["False", "True", 1, None])
+def test_rule_for_lean_must_be_a_bool(lean):
+    # "False" is truthy: read as a flag, it answered the lean rule.
+    with pytest.raises(TypeError, match=r"rule_for\(lean=.*\): lean must be a bool"):
+        mpjax.rule_for("gather", lean=lean)
+    assert mpjax.rule_for("gather", lean=np.True_) is mpjax.rule_for("gather", lean=True)
+
+
+def test_audit_find_of_a_torch_name_points_to_the_jax_primitive():
+    report = mpjax.audit(mpjax.autocast(lambda w, x: x @ w), jnp.ones((4, 2)), jnp.ones((3, 4)))
+    assert report.find(jax.lax.dot_general_p) == report.find("dot_general") != []
+    assert report.find("exp") == []  # a JAX primitive the program does not run
+    with pytest.raises(ValueError, match=r"find\('matmul'\): .*torch's name.*dot_general"):
+        report.find("matmul")
+    with pytest.raises(TypeError, match=r"AuditReport\.find\(primitive\): expected a primitive"):
+        report.find(1)
 
 
 # torch's CUDA autocast op lists, as its documentation gives them.
