@@ -87,14 +87,16 @@ class LayerRange:
 
     module: str
     max_abs: float
-    """Largest magnitude of its forward floating outputs, in the float32 run."""
+    """Largest magnitude of its forward floating outputs, in the float32 run: those
+    the loss reads (not the values JAX's derivative rules add, such as tie counts)."""
     min_abs: float
     """Smallest non-zero magnitude of those, in the float32 run (inf if none)."""
     grad_max_abs: float
     """Largest magnitude of its backward values, in the float32 run (scale 1)."""
     low_max_abs: dict[str, float]
     """By 16-bit dtype: the largest of its forward values held in that dtype in that
-    run; inf if any of its forward values (in any dtype) was inf or NaN there."""
+    run; inf if any of its forward values (in any dtype) was inf or NaN there where
+    the float32 run's is finite (a -inf the float32 run has too is the model's)."""
     flushed: dict[str, float]
     """By 16-bit dtype: of the non-zero values its forward pass rounds to that dtype
     (autocast's casts), the share that became 0."""

@@ -204,10 +204,28 @@ class Event(NamedTuple):
     outs: list
     inside: str  # "" or where in an opaque unit it was found ("scan step 3")
     callers: tuple = ()  # the equations calling the jaxprs it is in, outermost first
+    feeds_loss: bool = True  # False: derivative rules' values (tie counts) no loss reads
 
 
 def _read(env, v):
     return np.asarray(v.val, dtype=v.aval.dtype) if isinstance(v, _compat.Literal) else env[v]
+
+
+LOSS, GRADIENTS = frozenset({"loss"}), frozenset({"gradients"})  # what a step's output is
+
+
+def _feeding(jaxpr, feeds) -> dict:
+    """Variable -> which of `feeds` (a set per output of `jaxpr`) it reaches."""
+    reach: dict = {}
+    for v, f in zip(jaxpr.outvars, feeds):
+        if not isinstance(v, _compat.Literal):
+            reach[v] = reach.get(v, frozenset()) | f
+    for eqn in reversed(jaxpr.eqns):
+        f = frozenset().union(*(reach.get(v, ()) for v in eqn.outvars))
+        for v in eqn.invars if f else ():
+            if not isinstance(v, _compat.Literal):
+                reach[v] = reach.get(v, frozenset()) | f
+    return reach
 
 
 def _last_uses(jaxpr) -> dict[int, set]:
@@ -233,16 +251,18 @@ class Walk:
         self.observe = observe
         self.zoom = zoom  # whether a scan that makes the first inf or NaN is run step by step
 
-    def run(self, jaxpr, consts, args, prefix="", backward=False, inside="", seeded=None):
-        """The outputs of `jaxpr` on `args`. `seeded` flags the arguments the
-        gradient's seed (the loss scale) reaches: a backward-pass equation that it
-        does not reach recomputes the forward pass (`jax.checkpoint`) and is
-        reported as forward. None: every argument may carry it."""
-        return self._run(jaxpr, consts, args, prefix, backward, inside, seeded)[0]
+    def run(self, jaxpr, consts, args, prefix="", backward=False, inside="", seeded=None,
+            feeds=None):  # fmt: skip
+        """The outputs of `jaxpr` on `args`. `seeded` flags the arguments the gradient's
+        seed (the loss scale) reaches: a backward-pass equation that it does not reach
+        recomputes the forward pass (`jax.checkpoint`) and is reported as forward (None:
+        every argument may carry it). `feeds`: per output, `LOSS` or `GRADIENTS` (None: LOSS)."""
+        return self._run(jaxpr, consts, args, prefix, backward, inside, seeded, (), feeds)[0]
 
-    def _run(self, jaxpr, consts, args, prefix, backward, inside, seeded, callers=()):
+    def _run(self, jaxpr, consts, args, prefix, backward, inside, seeded, callers=(), feeds=None):
         env = {}
         seeded = [True] * len(args) if seeded is None else seeded
+        reach = _feeding(jaxpr, feeds or [LOSS] * len(jaxpr.outvars))
 
         def read(v):
             if isinstance(v, _compat.Literal):
@@ -265,7 +285,8 @@ class Walk:
             back = (backward or is_backward(own)) and any(in_seeded)
             vals = [x for x, _, _ in ins]
             in_stats = tuple(s for _, s, _ in ins if s is not None)
-            done = self._eval(eqn, vals, stack, back, inside, in_seeded, callers)
+            out_feeds = [reach.get(v, frozenset()) for v in eqn.outvars]
+            done = self._eval(eqn, vals, stack, back, inside, in_seeded, callers, out_feeds)
             if done is None:  # not recursed into: a unit of its own
                 with _compat.equation_context(eqn):
                     outs = _evaluate(eqn, vals)
@@ -282,7 +303,7 @@ class Walk:
                 self.observe(
                     Event(
                         eqn, stack, back, inputs_finite, in_stats, floats, vals, outs, inside,
-                        callers,
+                        callers, LOSS <= frozenset().union(*out_feeds),
                     )
                 )
             else:
@@ -293,7 +314,7 @@ class Walk:
         outs = [read(v) for v in jaxpr.outvars]
         return [o for o, _, _ in outs], [d for _, _, d in outs]
 
-    def _eval(self, eqn, vals, stack, back, inside, seeded, callers):
+    def _eval(self, eqn, vals, stack, back, inside, seeded, callers, feeds):
         """(outputs, their seed flags) of a call or `cond` evaluated equation by
         equation, else None."""
         name, callers = eqn.primitive.name, (*callers, eqn)
@@ -301,7 +322,8 @@ class Walk:
             branches = eqn.params["branches"]
             index = int(np.clip(np.asarray(vals[0]), 0, len(branches) - 1))
             jaxpr, consts = _compat.jaxpr_and_consts(branches[index])
-            return self._run(jaxpr, consts, vals[1:], stack, back, inside, seeded[1:], callers)
+            vals, seeded = vals[1:], seeded[1:]  # the index is no operand
+            return self._run(jaxpr, consts, vals, stack, back, inside, seeded, callers, feeds)
         if name not in _CALLS:
             return None
         subs = _compat.sub_jaxprs(eqn.params)
@@ -310,7 +332,7 @@ class Walk:
         jaxpr, consts = _compat.jaxpr_and_consts(subs[0])
         if len(jaxpr.invars) != len(vals) or len(jaxpr.outvars) != len(eqn.outvars):
             return None
-        return self._run(jaxpr, consts, vals, stack, back, inside, seeded, callers)
+        return self._run(jaxpr, consts, vals, stack, back, inside, seeded, callers, feeds)
 
     def _shard_map(self, eqn, vals, stack, back, callers):
         """The equations of a `shard_map` body, each reported on the values it had on

@@ -149,14 +149,14 @@ class _Program:
         self.jaxpr, self.consts = _compat.jaxpr_and_consts(closed)
         self.dtype = dtype
 
-    def evaluate(self, scale: float, collect=True, known=None):
-        """A run at `scale`. `known`: where the float32 run makes inf or NaN (None
-        for that run itself)."""
-        collector = _Collector(scale, collect, known)
+    def evaluate(self, scale: float, collect=True, reference=None):
+        """A run at `scale`, against the float32 run `reference` (None for that run)."""
+        collector = _Collector(scale, collect, reference)
         args = [jnp.float32(scale), *self.args[1:]]
         seeded = [True] + [False] * (len(args) - 1)  # the scale seeds the gradient
         walk = dw.Walk(collector, collector.wants_zoom)
-        outs = walk.run(self.jaxpr, self.consts, args, seeded=seeded)
+        feeds = [dw.LOSS] + [dw.GRADIENTS] * (len(self.jaxpr.outvars) - 1)
+        outs = walk.run(self.jaxpr, self.consts, args, seeded=seeded, feeds=feeds)
         collector.loss = float(np.asarray(outs[0], np.float64))
         collector.grads = outs[1:]
         return collector
@@ -169,7 +169,7 @@ class _Row:
     max_abs: float = 0.0  # forward
     min_abs: float = math.inf  # forward, non-zero
     grad_max_abs: float = 0.0  # backward, divided by the scale
-    low_max_abs: float | None = None  # forward 16-bit values; inf once anything is not finite
+    low_max_abs: float | None = None  # forward 16-bit values; inf once one overflows
     cast_nonzero: int = 0  # forward casts to 16 bits: their non-zero inputs ...
     cast_flushed: int = 0  # ... that came out 0
 
@@ -177,14 +177,18 @@ class _Row:
 class _Collector:
     """Observes a walk: the first origin per phase, ranges per module."""
 
-    def __init__(self, scale: float, collect: bool, known: set | None):
+    def __init__(self, scale: float, collect: bool, reference: _Collector | None):
         self.scale, self.collect = scale, collect
         self.origins: dict[str, Origin] = {}
         # Where this run makes inf or NaN from finite inputs; an origin in `known`
         # (the float32 run makes it too: a log(mask)'s -inf) is not precision's doing.
-        self.nonfinite_at: set = set()
-        self.known = frozenset() if known is None else known
-        self.zoom_all = known is None  # the float32 run: its set must be whole
+        # And where any of its outputs is inf or NaN: in the float32 run, by design
+        # (segment_max's -inf for an empty segment), where 16 bits hold it too.
+        self.nonfinite_at, self.nonfinite_out = set(), set()
+        self.known = frozenset() if reference is None else reference.nonfinite_at
+        self.known_out = frozenset() if reference is None else reference.nonfinite_out
+        self.known_lines = frozenset((p, *rest) for p, _, *rest in self.known_out)
+        self.zoom_all = reference is None  # the float32 run: its sets must be whole
         self.modules: dict[str, _Row] = {}
         self.backward_max = 0.0  # of all backward values, divided by the scale
         self.backward_low_max = 0.0  # of the 16-bit ones
@@ -199,14 +203,20 @@ class _Collector:
         if RECAST_SCOPE in event.stack:  # the forward pass's cast made again
             return
         phase = "backward" if event.backward else "forward"
-        finite = all(s.finite for s in event.out_stats)
-        if not finite and event.inputs_finite:
+        overflow = False  # made inf or NaN where the float32 run has none
+        if not all(s.finite for s in event.out_stats):
             where = dw.where(event.eqn, event.callers)
             module = dw.module_path(event.stack)  # a line runs once per layer
             at = (phase, event.eqn.primitive.name, module, where.file, where.line)
-            self.nonfinite_at.add(at)
-            if phase not in self.origins and at not in self.known:
-                self.origins[phase] = _origin(event, phase)
+            self.nonfinite_out.add(at)
+            if event.inputs_finite or event.eqn.primitive.name != "convert_element_type":
+                overflow = at not in self.known_out
+            else:  # autocast's cast of inf: an overflow's unless float32 has inf there too
+                overflow = (phase, module, where.file, where.line) not in self.known_lines
+            if event.inputs_finite:
+                self.nonfinite_at.add(at)
+                if phase not in self.origins and at not in self.known:
+                    self.origins[phase] = _origin(event, phase)
         if not event.out_stats or _OWN_SCOPE in event.stack:
             return
         key = dw.module_path(event.stack) or _line_key(event)
@@ -217,17 +227,17 @@ class _Collector:
                 self.backward_max = max(self.backward_max, s.max_abs / self.scale)
                 if s.low:
                     self.backward_low_max = max(self.backward_low_max, s.max_abs / self.scale)
-        if self.collect:
-            _add(self.modules.setdefault(key, _Row()), event, self.scale)
+        if self.collect and (event.backward or event.feeds_loss):
+            _add(self.modules.setdefault(key, _Row()), event, self.scale, overflow)
 
 
-def _add(row: _Row, event: dw.Event, scale: float) -> None:
+def _add(row: _Row, event: dw.Event, scale: float, overflow: bool) -> None:
     if event.backward:
         row.grad_max_abs = max([row.grad_max_abs, *(s.max_abs / scale for s in event.out_stats)])
         return
     for s in event.out_stats:
         row.max_abs, row.min_abs = max(row.max_abs, s.max_abs), min(row.min_abs, s.min_abs)
-        if not s.finite:
+        if overflow and not s.finite:  # in any dtype: the inf travels on from 16 bits
             row.low_max_abs = math.inf
         elif s.low:
             row.low_max_abs = max(row.low_max_abs or 0.0, s.max_abs)
@@ -294,7 +304,7 @@ def _leaf_gradients(problem, low, reference, scale) -> tuple[LeafGradient, ...]:
 
 def _diagnose_dtype(problem, dtype, scale, policy, reference):
     program = _Program(problem, dtype, policy)
-    low = program.evaluate(scale, known=reference.nonfinite_at)
+    low = program.evaluate(scale, reference=reference)
     forward, backward = low.origins.get("forward"), low.origins.get("backward")
     leaves = _leaf_gradients(problem, low, reference, scale)
     largest, recommended, again = low.backward_low_max, None, ()
@@ -319,7 +329,7 @@ def _scale_figures(program, low, problem, reference):
     if "backward" in low.origins or largest * low.scale < RANGES["float16"][1]:
         probe = advice.recommended_scale(reference.backward_max)
         if probe is not None:  # (None: float32's backward pass is zero too)
-            runs[probe] = program.evaluate(probe, False, reference.nonfinite_at)
+            runs[probe] = program.evaluate(probe, False, reference)
             largest = runs[probe].backward_low_max
             if not _finite(runs[probe]) and probe <= low.scale:
                 return math.inf, None, ()  # it overflows at every scale down to `probe`
@@ -335,7 +345,7 @@ def _scale_figures(program, low, problem, reference):
     # Measured again where raising the scale brings gradients back, and where
     # lowering it (out of an overflow) may lose small ones.
     if recommended not in runs:
-        runs[recommended] = program.evaluate(recommended, False, reference.nonfinite_at)
+        runs[recommended] = program.evaluate(recommended, False, reference)
     return largest, recommended, _leaf_gradients(problem, runs[recommended], reference, recommended)
 
 
@@ -350,7 +360,7 @@ def _checked(program, runs, scale, safe, reference) -> float:
 
     def finite(k: int) -> bool:
         if 2.0**k not in runs:
-            runs[2.0**k] = program.evaluate(2.0**k, False, reference.nonfinite_at)
+            runs[2.0**k] = program.evaluate(2.0**k, False, reference)
         return _finite(runs[2.0**k])
 
     lo, hi = math.frexp(safe)[1] - 1, math.frexp(scale)[1] - 1

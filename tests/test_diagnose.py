@@ -446,6 +446,27 @@ def test_an_inf_the_float32_run_makes_too_does_not_hide_the_16_bit_advice():
     assert "Start from init_scale=2**" in " ".join(report.recommendations)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_minus_inf_the_float32_run_has_too_is_no_16_bit_overflow(dtype):
+    """segment_max gives -inf for a segment without elements, in float32 as well:
+    the module table agrees with "forward: none", and its float32 column holds the
+    values the loss reads (at most 1), not the count of ties JAX's derivative of
+    segment_max computes beside them (20 per segment)."""
+    receivers = jnp.arange(200) % 10  # segments 10..49 receive nothing: -inf
+    x = jax.random.normal(jax.random.key(0), (200, 8))
+
+    def loss_fn(p, x):
+        m = jax.ops.segment_max(x @ p["w"], receivers, 50)  # -inf for empty segments
+        return jnp.mean(jnp.where(jnp.isfinite(m), m, 0.0) ** 2)
+
+    report = mpjax.diagnose(loss_fn, {"w": jnp.full((8, 4), 0.1)}, x, dtype=dtype)
+    assert report.runs[0].forward is None and report.runs[0].backward is None
+    (row,) = [r for r in report.layers if r.module.endswith(f":{_line('-inf for empty')})")]
+    assert all(math.isfinite(v) for r in report.layers for v in r.low_max_abs.values())
+    assert "inf/NaN in" not in str(report)
+    assert row.max_abs < 1.0
+
+
 def test_a_nan_in_the_batch_is_blamed_on_the_data():
     x = jnp.ones((8, 4)).at[0, 0].set(jnp.nan)
     report = mpjax.diagnose(lambda p, x: jnp.mean(x @ p["w"]), {"w": jnp.ones((4, 3))}, x)
