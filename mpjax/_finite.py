@@ -82,7 +82,9 @@ def leaf_flags(leaves: Sequence) -> tuple[jax.Array, list[int], jax.Array]:
         return jnp.zeros([0], jnp.bool_), [], jnp.array(False)
     small = collections.defaultdict(list)
     large = []
-    threshold = large_leaf()
+    # Eagerly, each leaf alone: a stack of values would be an operation holding the
+    # inf or NaN, which jax_debug_nans reports as the scaler's own.
+    threshold = 0 if not any(map(_compat.is_tracer, leaves)) else large_leaf()
     for i, x in enumerate(leaves):
         (large if jnp.size(x) >= threshold else small[_stack_key(x)]).append(i)
     parts, order = [], []

@@ -92,21 +92,54 @@ def scaled_value_and_grad(
     state = _find_state(opt_state, _NAME)
     scale, check_current = _value(state.scale, jnp.float32), _current_scale_check(state)
 
-    def scaled_fun(*args, **kwargs):
+    def wrapped(*args, **kwargs):
+        check_current()
+        transform = _value_and_grad_for(args, argnums, value_and_grad)
+
+        def step(s):
+            with jax.named_scope(SCALED):  # refused under autocast (`_regions.region_of`)
+                out = _transformed(transform, _scaled(fun, s, has_aux, argnums), argnums)(
+                    *args, **kwargs
+                )
+            (_, (loss, aux)), grads = _checked_output(transform, out)
+            return loss, aux, unscale(grads, s)
+
+        loss, aux, grads = _probing(step, scale, (args, kwargs))
+        return ((loss, aux) if has_aux else loss), grads
+
+    return wrapped
+
+
+def _scaled(fun, scale, has_aux, argnums):
+    """`fun` returning ``(loss * scale, (loss, aux))``, the product in float32 at least."""
+
+    def scaled(*args, **kwargs):
         out = fun(*args, **kwargs)
         loss, aux = _loss_and_aux(out, has_aux, _differentiated(args, argnums))
         dtype = promoted(loss.dtype, jnp.float32)
         return loss.astype(dtype) * scale.astype(dtype), (loss, aux)
 
-    def wrapped(*args, **kwargs):
-        check_current()
-        transform = _value_and_grad_for(args, argnums, value_and_grad)
-        with jax.named_scope(SCALED):  # refused under autocast (`_regions.region_of`)
-            out = _transformed(transform, scaled_fun, argnums)(*args, **kwargs)
-        (_, (loss, aux)), grads = _checked_output(transform, out)
-        return ((loss, aux) if has_aux else loss), unscale(grads, scale)
+    return scaled
 
-    return wrapped
+
+def _probing(step, scale, args):
+    """`step(scale)`. Eagerly under ``jax_debug_nans`` or ``jax_debug_infs``, which
+    check each operation, with JAX's checks off: a scaled backward pass that
+    overflows is the scaler's probing for a larger scale (it skips the step and
+    backs off), no fault of the model's. Where the loss or a gradient is not finite,
+    the step runs again at scale 1 with the checks on, so that an inf or NaN the
+    model makes without scaling raises there, at its line, as without the scaler."""
+    checks = jax.config.jax_debug_nans or jax.config.jax_debug_infs
+    if not checks or any(_compat.is_tracer(x) for x in jax.tree.leaves((scale, args))):
+        return step(scale)
+    with jax.debug_nans(False), jax.debug_infs(False):
+        out = step(scale)
+        loss, _, grads = out
+        floats = [x for x in jax.tree.leaves((loss, grads)) if jnp.issubdtype(x.dtype, jnp.inexact)]
+        finite = all(bool(jnp.isfinite(x).all()) for x in floats)
+    if not finite:
+        step(jnp.ones_like(scale))  # raises FloatingPointError for the model's own
+    return out
 
 
 def _checked_argnums(argnums):

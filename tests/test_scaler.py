@@ -18,6 +18,7 @@ import pytest
 from flax import serialization
 from jax import lax
 
+import mpjax
 from mpjax._float32 import _mul_f32_by_f64
 from mpjax.scaler import (
     GradScalerState,
@@ -481,6 +482,29 @@ def test_a_bfloat16_step_under_strict_dtype_promotion(loss_dtype, jit):
         got = step(params, tx.init(params), x)
     chex.assert_trees_all_equal(got, expected)
     assert not bool(got[1].last_step_skipped)
+
+
+@pytest.mark.parametrize("flag", ["debug_nans", "debug_infs"])
+def test_eager_debug_checks_skip_the_scalers_overflow_and_report_the_models(flag):
+    # At 2**24 the float16 backward pass overflows: inf, and NaN where an inf meets
+    # an input's zeros. That is the scaler's probing; the step is skipped. An inf or
+    # NaN the model makes at any scale is still reported, at the model's line.
+    def loss_fn(p, x, fault):
+        y = mpjax.autocast(lambda p, x: x @ p["w"])(p, x).astype(jnp.float32)
+        return jnp.sum(y**2) + (jnp.sum(jnp.log(p["b"] - 1.0)) if fault else 0.0)
+
+    params = {"w": jnp.full((8, 4), 0.5), "b": jnp.zeros(4)}
+    x = jnp.full((2, 8), 100.0).at[:, 0].set(0.0)
+    tx = grad_scaler(optax.sgd(0.1), init_scale=2.0**24)
+    state = tx.init(params)
+    with getattr(jax, flag)(True):
+        _, grads = scaled_value_and_grad(loss_fn, state)(params, x, False)
+        updates, new_state = tx.update(grads, state, params)
+        with pytest.raises(FloatingPointError, match=r"(nan|inf)\) encountered in log"):
+            params["b"] = params["b"] + (1.0 if flag == "debug_infs" else 0.0)  # log(0): -inf
+            scaled_value_and_grad(loss_fn, state)(params, x, True)
+    assert bool(new_state.last_step_skipped) and float(new_state.scale) == 2.0**23
+    chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, updates))
 
 
 def test_scale_below_one_overflowing_on_unscaling_is_skipped():
