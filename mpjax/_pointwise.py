@@ -57,13 +57,25 @@ def _body(eqn):
     return body if body.eqns else None
 
 
+def recomputed(fun, rematted: bool, **kwargs):
+    """`fun` in a ``jax.checkpoint``, so that the backward pass keeps its (16-bit)
+    inputs and recomputes its float32 values; the checkpoint also bars common-
+    subexpression elimination, by which XLA would merge the recomputation with the
+    forward pass and keep those values after all. `fun` as it is where it is
+    `rematted`, inside the body of a checkpoint of the user's: that one's policy
+    decides for every value in it, and JAX keeps the inputs and outputs of an
+    inner checkpoint besides (an activation ``save_only_these_names`` keeps, twice)."""
+    return fun if rematted else jax.checkpoint(fun, prevent_cse=False, **kwargs)
+
+
 def pointwise(chain, eqns, source_value):
     """The chain evaluated at float32 on a 16-bit `source_value`, its result
     rounded to that dtype; rematerialized for the backward pass. The checkpoint
     bars common-subexpression elimination: in a jitted step XLA would otherwise
     merge the recomputation with the forward chain and keep its float32
     intermediates (a GELU's tanh) after all. The same function of each layer is
-    one cached jit, so JAX traces and differentiates it once."""
+    one cached jit, so JAX traces and differentiates it once. (Inside a checkpoint
+    of the user's too: its input is the product that policies keep anyway.)"""
     program, literals = [], []
     index = {chain.source: 0}
     for i in chain.eqns:
@@ -106,7 +118,7 @@ def _evaluator(program, literals, out, low):
     return function
 
 
-def derived_from(fun, widened, narrow):
+def derived_from(fun, widened, narrow, rematted: bool = False):
     """``fun(*widened)``, differentiated at ``widened`` recomputed from `narrow`: the
     16-bit values they widen exactly (or themselves, not widened). Its backward pass
     keeps the 16-bit values, not float32 copies, while the cotangent of a widened
@@ -124,7 +136,7 @@ def derived_from(fun, widened, narrow):
         again = [convert(x, d, False) for x, d in zip(primals[1], dtypes)]
         return jax.jvp(fun, again, list(tangents[0]))
 
-    return list(jax.checkpoint(f, prevent_cse=False)(list(widened), list(narrow)))
+    return list(recomputed(f, rematted)(list(widened), list(narrow)))
 
 
 def bind_quotient(eqn, x, y, **updates):
@@ -202,7 +214,7 @@ def chooser_float32_tangent(primal, axes):
 _KEEPS_OPERANDS = frozenset({"mul", "div"})
 
 
-def widened(eqn, vals, targets, weak, lone=()):
+def widened(eqn, vals, targets, weak, lone=(), rematted: bool = False):
     """`mul` or `div` of a 16-bit activation and a float32 value, at float32: bound in
     a checkpoint that widens the activation, so that the backward pass keeps its
     16-bit value, not a float32 copy (torch's mul keeps its operands as they come).
@@ -220,7 +232,7 @@ def widened(eqn, vals, targets, weak, lone=()):
     def compute(*xs):
         return _compat.bind(eqn, *[convert(x, F32, False) if w else x for x, w in zip(xs, low)])
 
-    return list(jax.checkpoint(compute, prevent_cse=False)(*vals))
+    return list(recomputed(compute, rematted)(*vals))
 
 
 def by_constant(scope, eqn, vals, targets, weak, lean=False):

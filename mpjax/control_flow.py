@@ -38,7 +38,7 @@ def _inline_call(ctx: Context, eqn, vals, weak):
 def _remat(ctx: Context, eqn, vals, weak):
     """jax.checkpoint: rebuilt around the autocast body, its policy kept."""
 
-    inner = ctx.for_call(eqn)
+    inner = ctx.for_call(eqn)._replace(rematted=True)
 
     def body(*args):
         child = inner.child()

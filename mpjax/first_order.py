@@ -105,7 +105,7 @@ def policy_rule(ctx, eqn, vals, weak):
         # A 16-bit operand widened, kept as it is; a constant 16 bits would round
         # (lean rounds it, as Flax's dtype= does) or saturate, computed in float32.
         lone = ctx.lone.get(id(eqn), ())
-        outs = None if lean else _pointwise.widened(eqn, vals, targets, weak, lone)
+        outs = None if lean else _pointwise.widened(eqn, vals, targets, weak, lone, ctx.rematted)
         outs = outs or _pointwise.by_constant(ctx.scope, eqn, vals, targets, weak, lean)
         if outs is not None:
             return outs
@@ -251,7 +251,7 @@ def _float32_sums(eqn, vals, targets, ctx, weak):
             return [chooser(*args)]
         return list(float32_tangent(primal, compute)(*args))
     if eqn.primitive.name in _KEEP_OPERAND:
-        return list(jax.checkpoint(compute, prevent_cse=False)(*args))
+        return list(_pointwise.recomputed(compute, ctx.rematted)(*args))
     return compute(*args)
 
 
@@ -317,7 +317,7 @@ def _broadcast_in_float32(ctx, eqn, vals, targets, weak, clamp=False):
         return _BIND.get(eqn.primitive.name, _compat.bind)(eqn, *xs)
 
     if eqn.primitive.name not in ("add", "sub"):
-        compute = jax.checkpoint(compute, prevent_cse=False)
+        compute = _pointwise.recomputed(compute, ctx.rematted)
     return list(compute(*args))
 
 
@@ -349,7 +349,7 @@ def _float32_inside(ctx, eqn, vals, low):
 
     if reduces:  # linear: nothing float32 is kept for the backward pass anyway
         return compute(*widened)
-    return _pointwise.derived_from(compute, widened, vals)
+    return _pointwise.derived_from(compute, widened, vals, ctx.rematted)
 
 
 def _convert_rule(ctx, eqn, vals, weak):

@@ -362,7 +362,7 @@ def select(rule, broadcasts, read, ctx, eqn, vals, weak) -> list:
             _constants.copy(ctx.scope, child.scope, [vals[k]], [inner[k]])
         return rule(child, eqn, inner, weak)
 
-    kept = jax.checkpoint(compute, policy=keeps_no_broadcast, prevent_cse=False)
+    kept = _pointwise.recomputed(compute, ctx.rematted, policy=keeps_no_broadcast)
     return list(kept(*[everything[i] for i in traced]))
 
 

@@ -78,6 +78,9 @@ class Context(NamedTuple):
     casts, a cond's output dtypes), for the whole autocast call: see `solved`."""
     probing: bool = False
     """Inside a probe: a body evaluated abstractly, for its output dtypes only."""
+    rematted: bool = False
+    """Inside a ``jax.checkpoint``'s body, whose policy decides what the backward pass
+    keeps of it (`_pointwise.recomputed`)."""
 
     def for_call(self, eqn) -> Context:
         """This context, for the body of the call `eqn` (`passing` its inputs): (lean)

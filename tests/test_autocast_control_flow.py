@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import mpjax
@@ -264,6 +265,42 @@ def test_a_checkpoint_in_a_gradient_under_autocast_still_drops_activations(low):
     plain = mpjax.autocast(jax.grad(functools.partial(_blocks, remat=False)), dtype=low)
     assert temp(remat) < 0.9 * temp(plain), (temp(remat), temp(plain))
     np.testing.assert_array_equal(remat(w, x), plain(w, x))
+
+
+_ACTIVATIONS = {
+    "leaky": lambda u: jnp.where(u > 0, u, 0.01 * u),
+    "softplus": jax.nn.softplus,
+    "gelu": jax.nn.gelu,
+    "square": lambda u: u * u,
+    "scaled": lambda u: u * jnp.float32(3.0),
+}
+
+
+@pytest.mark.parametrize("policy", ["torch", "lean"])
+@pytest.mark.parametrize("act", list(_ACTIVATIONS))
+def test_a_named_activation_is_the_one_activation_a_checkpoint_keeps(act, policy, low):
+    # save_only_these_names keeps the named product and recomputes the rest: the
+    # checkpoints autocast makes of its own (to keep 16-bit values, not float32
+    # copies) would make JAX keep their inputs too, inside the user's. The float32
+    # values they widen are still recomputed: the user's policy decides for them.
+    names = jax.checkpoint_policies.save_only_these_names("up")
+    x, w1, w2 = _w(16, 32), 0.2 * _w(32, 64, seed=1), 0.2 * _w(64, 32, seed=2)
+
+    def layer(x, w1, w2, remat=True):
+        def body(h, w1, w2):
+            u = checkpoint_name(h @ w1, "up")
+            return h + _ACTIVATIONS[act](u) @ w2
+
+        body = jax.checkpoint(body, policy=names) if remat else body
+        h, _ = lax.scan(lambda h, _: (body(h, w1, w2), None), x, None, length=3)
+        return jnp.sum(h**2)
+
+    f = mpjax.autocast(layer, dtype=low, policy=policy)
+    kept = jax.tree.leaves(jax.eval_shape(lambda *a: jax.vjp(f, *a)[1], x, w1, w2))
+    activations = [(r.dtype, r.shape) for r in kept if r.shape[-2:] == (16, 64)]
+    assert activations == [(low, (3, 16, 64))], activations
+    for g, ref in zip(jax.grad(f, (1, 2))(x, w1, w2), jax.grad(layer, (1, 2))(x, w1, w2)):
+        assert jnp.max(jnp.abs(g - ref)) <= rel_tol(low) * jnp.max(jnp.abs(ref))
 
 
 @pytest.mark.parametrize(
