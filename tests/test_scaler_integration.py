@@ -714,8 +714,9 @@ def test_orbax_saves_the_state_of_parameters_without_a_floating_leaf(tmp_path, p
     assert dict(restored.nonfinite_subtrees) == {}
 
 
-def test_user_guide_examples_run():
+def test_user_guide_examples_run(tmp_path, monkeypatch):
     """docs/loss_scaling.md: every python block runs, in order, as printed."""
+    monkeypatch.chdir(tmp_path)  # the checkpointing block writes under the cwd
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "docs", "loss_scaling.md")) as f:
         blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
