@@ -380,15 +380,14 @@ def _autocast_call(fun, region: Region, args, kwargs, cache=None, shown=None):
     jaxpr, consts = _compat.jaxpr_and_consts(closed)
     consts = [_constants.read_closed_over(c) for c in consts]
     ctx = Context(region, Scope(), memo={})
-    outs, _ = eval_jaxpr(ctx, jaxpr, consts, dynamic_leaves, [False] * len(dynamic_leaves))
-    out_leaves, out_tree = jax.tree.flatten(out_shape)
-    outs = iter(outs)
-    result = jax.tree.unflatten(
-        out_tree,
-        [_output(ctx, next(outs), s) if _leaves.is_output(s) else s for s in out_leaves],
-    )
-    ctx.scope.release()
-    return result
+    try:
+        outs, _ = eval_jaxpr(ctx, jaxpr, consts, dynamic_leaves, [False] * len(dynamic_leaves))
+        out_leaves, out_tree = jax.tree.flatten(out_shape)
+        outs = iter(outs)
+        out = [_output(ctx, next(outs), s) if _leaves.is_output(s) else s for s in out_leaves]
+        return jax.tree.unflatten(out_tree, out)
+    finally:
+        ctx.scope.release()
 
 
 def _output(ctx: Context, out, shape):

@@ -62,14 +62,17 @@ def _rounded_bias_add(bias: int, low):
                 full[i] = t
             return mpjax_bias_add(*full)
 
+        # The transpose is kept in the program past this trace: no tracer of it.
+        types = [(x.shape, x.dtype) for x in primals]
+
         def transposed(_, ct):
             wide = convert(ct, F32, False)
-            return tuple(
-                _bias_gradient(ct, wide, primals[i].shape)
+            return [
+                _bias_gradient(ct, wide, types[i][0])
                 if i == bias
-                else convert(ct, primals[i].dtype, False)  # the product's
+                else convert(ct, types[i][1], False)  # the product's
                 for i in live
-            )
+            ]
 
         return out, _compat.linear_call(forward, transposed, (), tuple(tangents[i] for i in live))
 

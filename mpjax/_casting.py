@@ -138,3 +138,16 @@ def _largest_below(bound, dtype):
     """The largest value of `dtype` at most `bound`."""
     hi = np.asarray(bound).astype(dtype)
     return hi if hi <= bound else np.nextafter(hi, np.asarray(0, dtype))
+
+
+def weight_gradient(product, ct, low):
+    """``product(ct)`` for a weight-gradient product of the 16-bit cotangent `ct`, in
+    `low`; but the CPU's dot kernel rejects bf16 x bf16 -> f32 in the layouts XLA gives
+    weight gradients ("Unsupported element type for DotThunk"): there bfloat16 values
+    go as float32, exactly, summed alike. Chosen for the platform the program is
+    lowered for: a program exported for a GPU on a CPU host keeps its 16-bit products."""
+    if low != jnp.bfloat16:
+        return product(ct)
+    return jax.lax.platform_dependent(
+        ct, cpu=lambda c: product(c.astype(jnp.float32)), default=product
+    )

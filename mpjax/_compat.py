@@ -223,19 +223,6 @@ def sub_jaxprs(params):
     return list(jex_core.jaxprs_in_params(params))
 
 
-def weight_gradient(product, ct, low):
-    """``product(ct)`` for a weight-gradient product of the 16-bit cotangent `ct`, in
-    `low`; but the CPU's dot kernel rejects bf16 x bf16 -> f32 in the layouts XLA gives
-    weight gradients ("Unsupported element type for DotThunk"): there bfloat16 values
-    go as float32, exactly, summed alike. Chosen for the platform the program is
-    lowered for: a program exported for a GPU on a CPU host keeps its 16-bit products."""
-    if low != jax.numpy.bfloat16:
-        return product(ct)
-    return jax.lax.platform_dependent(
-        ct, cpu=lambda c: product(c.astype(jax.numpy.float32)), default=product
-    )
-
-
 def is_optax_placeholder(params) -> bool:
     """Whether `params` is the stand-in `optax.tree_map_params` inits optimizers on:
     a private optax class (``optax.tree_utils._state_utils._ParamsPlaceholder``),
@@ -320,9 +307,22 @@ def custom_vmap_parts(params):
 # The rule below is registered only where JAX has none: it rebuilds the call
 # with the callee and its transpose vmapped, a cotangent of an unbatched linear
 # input summed over the batch (in float32 for 16-bit values).
-from jax.custom_derivatives import SymbolicZero, linear_call  # noqa: E402, F401
+from jax.custom_derivatives import SymbolicZero  # noqa: E402, F401
+from jax.custom_derivatives import linear_call as _linear_call  # noqa: E402
 from jax._src.custom_derivatives import linear_call_p as _linear_call_p  # noqa: E402
 from jax._src.interpreters import batching as _batching  # noqa: E402
+
+
+def linear_call(fun, fun_transpose, residual_args, linear_args):
+    """`jax.custom_derivatives.linear_call`, given its arguments as lists (to which
+    `fun_transpose` answers with a list), which hold no tracer once the call is made:
+    jax 0.12's transpose, kept in the program, keeps them to name them in errors."""
+    args = [list(residual_args), list(linear_args)]
+    try:
+        return _linear_call(fun, fun_transpose, *args)
+    finally:
+        for a in args:
+            a.clear()
 
 
 def _unmapped(d) -> bool:

@@ -10,7 +10,7 @@ of values it can take (a `ValueSet`) where the equation only moves or selects
 values (a literal broadcast by ``jnp.full`` or ``jnp.where``) or computes
 elementwise from such sets (``jnp.ones(n) * 1e5``). `fits` then decides as for a
 literal. A body a higher-order primitive traces again (a checkpoint's, a branch's,
-a loop's) learns what is known of its arguments by `copy`.
+a loop's) learns what is known of its arguments by `known` and `record`.
 """
 
 from __future__ import annotations
@@ -175,18 +175,27 @@ def evaluate(eqn, known, outs):
     return exact
 
 
-def copy(source, target, outer, inner, parts: bool = False) -> None:
-    """Records in scope `target` what scope `source` knows of the values `outer`,
-    for the values `inner` standing for them in a nested trace (a checkpoint's or a
-    branch's arguments); with `parts`, for parts of them (the slices a loop body
-    takes of its scanned-over values, a shard_map body's shards), as sets, where
-    those take few enough elements to gather (`CLOSED_OVER_LIMIT`)."""
-    for x, y in zip(outer, inner):
-        known = values(source, x)
-        if parts and known is not None and not isinstance(known, ValueSet):
-            known = value_set(known) if small(known) else None
-        if known is not None and not is_concrete(y):
-            target.record_constant(y, known)
+def known(scope, xs, parts: bool = False) -> list:
+    """What `scope` knows of the values `xs`, for a nested trace in which other
+    values stand for them (a checkpoint's or a branch's arguments; `record`); with
+    `parts`, for parts of them (the slices a loop body takes of its scanned-over
+    values, a shard_map body's shards), as sets, where those take few enough
+    elements to gather (`CLOSED_OVER_LIMIT`). NumPy arrays and None: a body's
+    closure may keep them past the trace, where it may not keep `xs`, tracers."""
+    found = [values(scope, x) for x in xs]
+    if parts:
+        found = [
+            k if k is None or isinstance(k, ValueSet) else value_set(k) if small(k) else None
+            for k in found
+        ]
+    return found
+
+
+def record(target, known_values, inner) -> None:
+    """Records in scope `target` `known_values` (`known`) for the values `inner`."""
+    for k, y in zip(known_values, inner):
+        if k is not None and not is_concrete(y):
+            target.record_constant(y, k)
 
 
 def record_times(scope, x, factor, product) -> None:

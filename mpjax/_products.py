@@ -38,14 +38,13 @@ from jax.sharding import PartitionSpec as P
 
 from mpjax import _compat
 from mpjax import policy
-from mpjax._casting import F32, convert, dtype_of
+from mpjax._casting import F32, convert, dtype_of, weight_gradient
 
 
 RECAST_SCOPE = "mpjax_recast"
 """The name scope of the backward pass's casts of a product's operands (a
 parameter cast again rather than kept): `mpjax.diagnose` leaves them out of the
 backward pass's values."""
-
 
 LOW_PRODUCT = "mpjax_low_product"
 """The name `low_product`'s custom_jvp carries in jaxprs."""
@@ -207,20 +206,21 @@ def _linear(sides, extra, low, result):
     transpose rounds the cotangent to 16 bits once and multiplies it by each side's
     `other` into that operand's gradient: float32 for a parameter, `low` for an
     activation."""
-    tangents = tuple(side[0] for side in sides)
-    n_others = len(sides)
-    residuals = tuple(side[1] for side in sides) + extra
+    tangents, others, applies = (tuple(side[i] for side in sides) for i in range(3))
+    n_others, residuals = len(sides), others + extra
+    # Kept in the program past this trace, the transpose holds no tracer of it.
+    backs = [(t.dtype, tr, jax.typeof(x), p) for t, _, _, tr, x, p in sides]
 
     def forward(residuals, tangents):
         others, extra = residuals[:n_others], residuals[n_others:]
-        terms = [side[2](t, o, extra) for side, t, o in zip(sides, tangents, others)]
+        terms = [apply(t, o, extra) for apply, t, o in zip(applies, tangents, others)]
         return (terms[0] if len(terms) == 1 else terms[0] + terms[1]).astype(result)
 
     def transposed(residuals, ct):
         others, extra = residuals[:n_others], residuals[n_others:]
         ct = _cast(ct, low)
         cts = []
-        for (tangent, _, _, transpose, operand, is_param), other in zip(sides, others):
+        for (tangent_dtype, transpose, operand, is_param), other in zip(backs, others):
             result = F32 if is_param else low
             with jax.named_scope(RECAST_SCOPE):  # a forward value, not a gradient
                 other = _cast(other, low)
@@ -228,9 +228,9 @@ def _linear(sides, extra, low, result):
             def product(carrier):  # called (and traced) within this iteration
                 return transpose(carrier, other, operand, result, *extra)
 
-            t = _compat.weight_gradient(product, ct, low) if is_param else product(ct)
-            cts.append(t.astype(tangent.dtype))
-        return tuple(cts)
+            t = weight_gradient(product, ct, low) if is_param else product(ct)
+            cts.append(t.astype(tangent_dtype))
+        return cts
 
     return _compat.linear_call(forward, transposed, residuals, tangents)
 
@@ -323,8 +323,8 @@ def _ragged_transpose(ct, other, operand, rdn, group_sizes, precision, result, s
 
 def _sharded_as(x, axes) -> dict:
     """``out_sharding`` for a product whose result is `x`'s axes in the order
-    `axes`: `x`'s sharding permuted, or nothing where `x` has no mesh."""
-    sharding = jax.typeof(x).sharding
+    `axes`: `x`'s (or type `x`'s) sharding permuted, or nothing where it has no mesh."""
+    sharding = (x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)).sharding
     if sharding.mesh.empty:
         return {}
     spec = tuple(sharding.spec) + (None,) * (np.ndim(x) - len(sharding.spec))

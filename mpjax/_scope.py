@@ -75,10 +75,12 @@ class Scope:
     def release(self) -> None:
         """Lets go of what the trace recorded: its closures refer back to this
         scope, and the cycle would hold the arrays (weights) until Python's
-        cycle collector runs."""
+        cycle collector runs; a closure kept past the trace (a custom_jvp's rule)
+        would hold its tracers."""
         for table in (self._casts, self._accumulators, self._remakes, self._constants,
                       self._moves):
             table.clear()
+        self.requests.clear()
 
     def seed(self, x, dtype, cast_x) -> None:
         self._casts[(id(x), np.dtype(dtype))] = (x, cast_x)

@@ -39,11 +39,12 @@ def _remat(ctx: Context, eqn, vals, weak):
     """jax.checkpoint: rebuilt around the autocast body, its policy kept."""
 
     inner = ctx.for_call(eqn)._replace(rematted=True)
+    known = _constants.known(ctx.scope, vals)
 
     def body(*args):
-        child = inner.child()
-        _constants.copy(ctx.scope, child.scope, vals, args)
-        outs, _ = eval_closed(child, eqn.params["jaxpr"], list(args), weak)
+        with inner.nested() as child:
+            _constants.record(child.scope, known, args)
+            outs, _ = eval_closed(child, eqn.params["jaxpr"], list(args), weak)
         return outs
 
     checkpointed = jax.checkpoint(
@@ -66,10 +67,12 @@ def _remat(ctx: Context, eqn, vals, weak):
 def _shard_map(ctx: Context, eqn, vals, weak):
     """shard_map: rebuilt around the autocast body, mesh and specs kept."""
 
+    known = _constants.known(ctx.scope, vals, parts=True)  # of shards
+
     def body(*args):
-        child = ctx.passing(eqn.invars).child()
-        _constants.copy(ctx.scope, child.scope, vals, args, parts=True)  # shards
-        outs, _ = eval_closed(child, eqn.params["jaxpr"], list(args), weak)
+        with ctx.passing(eqn.invars).nested() as child:
+            _constants.record(child.scope, known, args)
+            outs, _ = eval_closed(child, eqn.params["jaxpr"], list(args), weak)
         return tuple(outs)
 
     mapped = jax.shard_map(body, **_compat.shard_map_kwargs(eqn.params))
@@ -84,21 +87,22 @@ def _cond(ctx: Context, eqn, vals, weak):
     ops_weak = weak[1:]
     branches = eqn.params["branches"]
     inner = ctx.passing(eqn.invars[1:])
+    ops_known = _constants.known(ctx.scope, ops)
 
     def branch_fn(closed, out_dtypes=None, known=None):
         """A branch, its outputs cast to `out_dtypes`; probing (None), what it
         returns, with its constant outputs' values (zeros) put in `known`."""
 
         def fn(*args):
-            child = inner.child(probing=out_dtypes is None)
-            _constants.copy(ctx.scope, child.scope, ops, args)
-            outs, out_weak = eval_closed(child, closed, list(args), ops_weak)
-            if out_dtypes is None:
-                known.append(
-                    [w and _constants.values(child.scope, o) for o, w in zip(outs, out_weak)]
-                )
-                return outs
-            return [child.scope.cast(o, d) for o, d in zip(outs, out_dtypes)]
+            with inner.nested(probing=out_dtypes is None) as child:
+                _constants.record(child.scope, ops_known, args)
+                outs, out_weak = eval_closed(child, closed, list(args), ops_weak)
+                if out_dtypes is None:
+                    known.append(
+                        [w and _constants.values(child.scope, o) for o, w in zip(outs, out_weak)]
+                    )
+                    return outs
+                return [child.scope.cast(o, d) for o, d in zip(outs, out_dtypes)]
 
         return fn
 
@@ -115,19 +119,19 @@ def _cond(ctx: Context, eqn, vals, weak):
     return list(lax.switch(index, [branch_fn(b, out_dtypes) for b in branches], *ops))
 
 
-def _fix_carry(ctx: Context, init, init_weak, probe) -> tuple[list, Scope]:
+def _fix_carry(ctx: Context, init, init_weak, probe) -> tuple[list, object]:
     """Carry dtypes that the loop body maps to themselves.
 
     `probe(dtypes)` evaluates the body abstractly and returns the carry-out
-    dtypes and the probing scope. A carry starts at its initial dtype; a weak
-    initial value (``jnp.zeros``) adopts the body's output dtype once, where that
-    holds its values (not ``jnp.full(n, 1e5)`` in float16), so an RNN state
-    started from zeros stays in low precision; after that a carry only widens, so
-    the search ends.
+    dtypes and what else it found, returned with the fixed dtypes. A carry
+    starts at its initial dtype; a weak initial value (``jnp.zeros``) adopts the
+    body's output dtype once, where that holds its values (not ``jnp.full(n,
+    1e5)`` in float16), so an RNN state started from zeros stays in low
+    precision; after that a carry only widens, so the search ends.
     """
     dtypes = [dtype_of(x) for x in init]
     for step in range(len(dtypes) + 3):
-        out_dtypes, scope = probe(dtypes)
+        out_dtypes, found = probe(dtypes)
         new = []
         for x, d, o, w in zip(init, dtypes, out_dtypes, init_weak):
             if d == o or not (policy.is_castable(d) and policy.is_castable(o)):
@@ -137,7 +141,7 @@ def _fix_carry(ctx: Context, init, init_weak, probe) -> tuple[list, Scope]:
             else:
                 new.append(policy.widest([d, o]))
         if new == dtypes:
-            return dtypes, scope
+            return dtypes, found
         dtypes = new
     raise AssertionError("autocast: loop carry dtypes did not converge")  # unreachable
 
@@ -186,26 +190,25 @@ def _scan(ctx: Context, eqn, vals, weak):
         return outs[:n_carry], outs[n_carry:]
 
     xs_avals = [_compat.abstract(x, dtype_of(x), slice_leading=True) for x in xs]
-    slices: list = []  # the xs slices of the last probe
-    ys_dtypes: list = []  # and its ys dtypes
+    xs_known = _constants.known(ctx.scope, xs, parts=True)
 
     def probe(carry_dtypes):
-        child = ctx.child(invariant=consts, probing=True)
+        found = []  # the casts of invariants the body asked (`_positions`), its ys dtypes
 
         def fn(carry, x_slices):
-            slices[:] = x_slices
-            child.scope._invariant |= {id(s) for s in x_slices}
-            _constants.copy(ctx.scope, child.scope, xs, x_slices, parts=True)
-            return run_body(child, carry, x_slices)
+            with ctx.nested(invariant=[*consts, *x_slices], probing=True) as child:
+                _constants.record(child.scope, xs_known, x_slices)
+                carry_out, ys = run_body(child, carry, x_slices)
+                found[:] = _positions(child.scope, consts, x_slices), [dtype_of(y) for y in ys]
+            return carry_out
 
         carry_avals = [_compat.abstract(c, d) for c, d in zip(init, carry_dtypes)]
-        carry_out, ys = jax.eval_shape(fn, carry_avals, xs_avals)
-        ys_dtypes[:] = [a.dtype for a in ys]
-        return [a.dtype for a in carry_out], child.scope
+        carry_out = jax.eval_shape(fn, carry_avals, xs_avals)
+        return [a.dtype for a in carry_out], found
 
     def solve():
-        carry_dtypes, scope = _fix_carry(ctx, init, init_weak, probe)
-        return carry_dtypes, _positions(scope, consts, slices), [*carry_dtypes, *ys_dtypes]
+        carry_dtypes, (positions, ys_dtypes) = _fix_carry(ctx, init, init_weak, probe)
+        return carry_dtypes, positions, [*carry_dtypes, *ys_dtypes]
 
     carry_dtypes, requests, out_dtypes = ctx.solved(eqn, vals, weak, solve)
     # Casts of loop invariants are made once, outside the loop; those of whole xs
@@ -219,12 +222,12 @@ def _scan(ctx: Context, eqn, vals, weak):
 
     def body(carry, x_all):
         x_slices, extra = x_all[: len(xs)], x_all[len(xs) :]
-        child = ctx.child()
-        _constants.copy(ctx.scope, child.scope, xs, x_slices, parts=True)
-        for (i, dtype, _), cast_slice in zip(hoisted_xs, extra):
-            child.scope.seed(x_slices[i], dtype, cast_slice)
-        new_carry, ys = run_body(child, carry, x_slices)
-        return [child.scope.cast(c, d) for c, d in zip(new_carry, carry_dtypes)], ys
+        with ctx.nested() as child:
+            _constants.record(child.scope, xs_known, x_slices)
+            for (i, dtype, _), cast_slice in zip(hoisted_xs, extra):
+                child.scope.seed(x_slices[i], dtype, cast_slice)
+            new_carry, ys = run_body(child, carry, x_slices)
+            return [child.scope.cast(c, d) for c, d in zip(new_carry, carry_dtypes)], ys
 
     init = [ctx.scope.cast(c, d, w) for c, d, w in zip(init, carry_dtypes, init_weak)]
     abstract = _abstract(ctx, eqn, out_dtypes)
@@ -262,31 +265,39 @@ def _while(ctx: Context, eqn, vals, weak):
         return outs
 
     def probe(carry_dtypes):
-        child = ctx.child(invariant=body_consts, probing=True)
+        positions = []
+
+        def fn(carry):
+            with ctx.nested(invariant=body_consts, probing=True) as child:
+                outs = run_body(child, carry)
+                positions[:] = _positions(child.scope, body_consts)
+            return outs
+
         carry_avals = [_compat.abstract(c, d) for c, d in zip(init, carry_dtypes)]
-        out = jax.eval_shape(lambda c: run_body(child, c), carry_avals)
-        return [a.dtype for a in out], child.scope
+        out = jax.eval_shape(fn, carry_avals)
+        return [a.dtype for a in out], positions
 
     def solve():
-        carry_dtypes, scope = _fix_carry(ctx, init, init_weak, probe)
-        return carry_dtypes, _positions(scope, body_consts)
+        return _fix_carry(ctx, init, init_weak, probe)
 
     carry_dtypes, requests = ctx.solved(eqn, vals, weak, solve)
     for _, i, dtype, w in requests:  # loop-invariant casts, made once outside the loop
         ctx.scope.cast(body_consts[i], dtype, w)
 
     def pred(carry):
-        outs, _ = eval_closed(
-            cond_ctx.child(),
-            params["cond_jaxpr"],
-            [*cond_consts, *carry],
-            [*cond_weak, *[False] * n_carry],
-        )
+        with cond_ctx.nested() as child:
+            outs, _ = eval_closed(
+                child,
+                params["cond_jaxpr"],
+                [*cond_consts, *carry],
+                [*cond_weak, *[False] * n_carry],
+            )
         return outs[0]
 
     def body_fn(carry):
-        child = ctx.child()
-        return [child.scope.cast(c, d) for c, d in zip(run_body(child, carry), carry_dtypes)]
+        with ctx.nested() as child:
+            outs = run_body(child, carry)
+            return [child.scope.cast(c, d) for c, d in zip(outs, carry_dtypes)]
 
     init = [ctx.scope.cast(c, d, w) for c, d, w in zip(init, carry_dtypes, init_weak)]
     abstract = _abstract(ctx, eqn, carry_dtypes)

@@ -31,11 +31,14 @@ def _custom_jvp(ctx: Context, eqn, vals, weak):
         return _compat.bind(eqn, *vals)
     params = eqn.params
     n_consts = params["num_consts"]
+    # The rebuilt function's rule is kept in its equation, past this trace: it
+    # closes over what is known of `vals`, not over `vals`, tracers of this trace.
+    known = _constants.known(ctx.scope, vals)
 
     def primal(*args):
-        child = ctx.passing(eqn.invars).child()
-        _constants.copy(ctx.scope, child.scope, vals, args)
-        outs, _ = eval_closed(child, params["call_jaxpr"], list(args), weak)
+        with ctx.passing(eqn.invars).nested() as child:
+            _constants.record(child.scope, known, args)
+            outs, _ = eval_closed(child, params["call_jaxpr"], list(args), weak)
         return outs
 
     def jvp(primals, tangents):
@@ -60,28 +63,28 @@ def _custom_jvp(ctx: Context, eqn, vals, weak):
         primals_in = eqn.invars[n_consts:]
         tangents_of = [v for v, z in zip(primals_in, zeros) if not z]
         passed = [*[True] * len(leading), *primals_in, *tangents_of]
-        child = ctx.passing(passed).child()
-        _constants.copy(ctx.scope, child.scope, vals, primals)
-        try:
-            outs, _ = eval_jaxpr(
-                child,
-                rule,
-                rule_consts,
-                [*leading, *primals[n_consts:], *tangents],
-                [False] * len(leading) + [*weak[n_consts:], *[False] * len(tangents)],
-            )
-        except jax.errors.UnexpectedTracerError as e:
-            raise TypeError(_CLOSED_OVER.format(_compat.user_frame(eqn))) from e
-        n = len(out_avals)
-        nonzero = iter(outs[n:])
-        tangent_outs = [
-            _zero_tangent(a) if z else next(nonzero) for a, z in zip(out_avals, out_zeros)
-        ]
-        primal_outs = [child.scope.cast(o, a.dtype) for o, a in zip(outs[:n], out_avals)]
-        tangent_outs = [
-            child.scope.cast(t, a.dtype) if _inexact(a) else _zero_tangent(a)
-            for t, a in zip(tangent_outs, out_avals)
-        ]
+        with ctx.passing(passed).nested() as child:
+            _constants.record(child.scope, known, primals)
+            try:
+                outs, _ = eval_jaxpr(
+                    child,
+                    rule,
+                    rule_consts,
+                    [*leading, *primals[n_consts:], *tangents],
+                    [False] * len(leading) + [*weak[n_consts:], *[False] * len(tangents)],
+                )
+            except jax.errors.UnexpectedTracerError as e:
+                raise TypeError(_CLOSED_OVER.format(_compat.user_frame(eqn))) from e
+            n = len(out_avals)
+            nonzero = iter(outs[n:])
+            tangent_outs = [
+                _zero_tangent(a) if z else next(nonzero) for a, z in zip(out_avals, out_zeros)
+            ]
+            primal_outs = [child.scope.cast(o, a.dtype) for o, a in zip(outs[:n], out_avals)]
+            tangent_outs = [
+                child.scope.cast(t, a.dtype) if _inexact(a) else _zero_tangent(a)
+                for t, a in zip(tangent_outs, out_avals)
+            ]
         return primal_outs, tangent_outs
 
     rebuilt = jax.custom_jvp(primal)
@@ -215,7 +218,8 @@ def _custom_vmap(ctx: Context, eqn, vals, weak):
     call, rule = _compat.custom_vmap_parts(eqn.params)
 
     def primal(*args):
-        outs, _ = eval_closed(ctx.passing(eqn.invars).child(), call, list(args), weak)
+        with ctx.passing(eqn.invars).nested() as child:
+            outs, _ = eval_closed(child, call, list(args), weak)
         return outs
 
     def vmap_rule(axis_size, in_batched, *args):
@@ -229,10 +233,11 @@ def _custom_vmap(ctx: Context, eqn, vals, weak):
             return outs
 
         at_original_dtypes = [_compat.abstract(a, v.aval.dtype) for a, v in zip(args, eqn.invars)]
-        child = ctx.passing(eqn.invars).child()
         closed = jax.make_jaxpr(original_rule)(*at_original_dtypes)
-        outs, _ = eval_closed(child, closed, list(args), weak)
-        return [child.scope.cast(o, a.dtype) for o, a in zip(outs, out_avals)], list(out_batched)
+        with ctx.passing(eqn.invars).nested() as child:
+            outs, _ = eval_closed(child, closed, list(args), weak)
+            outs = [child.scope.cast(o, a.dtype) for o, a in zip(outs, out_avals)]
+        return outs, list(out_batched)
 
     rebuilt = jax.custom_batching.custom_vmap(primal)
     rebuilt.def_vmap(vmap_rule)

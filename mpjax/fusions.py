@@ -349,18 +349,22 @@ def select(rule, broadcasts, read, ctx, eqn, vals, weak) -> list:
     # Traced values go in as arguments; numpy constants stay closed over, so the
     # rule still sees them as literals.
     traced = [i for i, x in enumerate(everything) if not is_concrete(x)]
+    concrete = [None if i in traced else x for i, x in enumerate(everything)]
+    known = _constants.known(ctx.scope, everything)
+    vals_known = _constants.known(ctx.scope, vals)
 
     def compute(*args):
-        xs = list(everything)
+        xs = list(concrete)
         for i, x in zip(traced, args):
             xs[i] = x
-        inner, child = xs[len(redo) :], ctx.child()
-        _constants.copy(ctx.scope, child.scope, everything, xs)
-        for (k, b, _, w), source in zip(redo, xs):
-            # by the select's rule, which is every broadcast's (the policy's)
-            (inner[k],) = rule(child, b, [source], [w])
-            _constants.copy(ctx.scope, child.scope, [vals[k]], [inner[k]])
-        return rule(child, eqn, inner, weak)
+        inner = xs[len(redo) :]
+        with ctx.nested() as child:
+            _constants.record(child.scope, known, xs)
+            for (k, b, _, w), source in zip(redo, xs):
+                # by the select's rule, which is every broadcast's (the policy's)
+                (inner[k],) = rule(child, b, [source], [w])
+                _constants.record(child.scope, [vals_known[k]], [inner[k]])
+            return rule(child, eqn, inner, weak)
 
     kept = _pointwise.recomputed(compute, ctx.rematted, policy=keeps_no_broadcast)
     return list(kept(*[everything[i] for i in traced]))

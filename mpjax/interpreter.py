@@ -20,6 +20,7 @@ Three pieces of state travel through the evaluation:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Callable, NamedTuple
 
@@ -110,6 +111,18 @@ class Context(NamedTuple):
 
     def child(self, invariant=(), probing: bool = False) -> Context:
         return self._replace(scope=Scope(self.scope, invariant), probing=self.probing or probing)
+
+    @contextlib.contextmanager
+    def nested(self, invariant=(), probing: bool = False):
+        """A `child` context for one trace of a body. Its scope lets go of the
+        trace's values as the body returns: a rule's closure may outlive the trace
+        (a custom_jvp's rule, kept in its equation), and a tracer it held would be a
+        leak (``jax_check_tracer_leaks``), and would keep the trace's arrays alive."""
+        child = self.child(invariant, probing)
+        try:
+            yield child
+        finally:
+            child.scope.release()
 
     def solved(self, eqn, vals, weak, solve: Callable):
         """``solve()``, once per equation, region and input dtypes and weak flags.
