@@ -351,7 +351,6 @@ def select(rule, broadcasts, read, ctx, eqn, vals, weak) -> list:
     traced = [i for i, x in enumerate(everything) if not is_concrete(x)]
     concrete = [None if i in traced else x for i, x in enumerate(everything)]
     known = _constants.known(ctx.scope, everything)
-    vals_known = _constants.known(ctx.scope, vals)
 
     def compute(*args):
         xs = list(concrete)
@@ -363,7 +362,7 @@ def select(rule, broadcasts, read, ctx, eqn, vals, weak) -> list:
             for (k, b, _, w), source in zip(redo, xs):
                 # by the select's rule, which is every broadcast's (the policy's)
                 (inner[k],) = rule(child, b, [source], [w])
-                _constants.record(child.scope, [vals_known[k]], [inner[k]])
+                _constants.record(child.scope, [known[len(redo) + k]], [inner[k]])
             return rule(child, eqn, inner, weak)
 
     kept = _pointwise.recomputed(compute, ctx.rematted, policy=keeps_no_broadcast)
