@@ -244,8 +244,8 @@ def _transpose_rhs(ct, x, y, dn, precision, result_type):
 def _transpose_lhs(ct, y, x, dn, precision, result_type, swap_ans=False):
     """The cotangent of a product's left operand `x` (JAX's own transpose rule, its
     operands swapped where that lays the result out as `x`), as a product of the
-    16-bit cotangent and right operand returning `result_type`, sharded as `x`
-    (explicit sharding asks, when the contraction is over a sharded dimension, as a
+    16-bit cotangent and right operand returning `result_type`, sharded as `x`, a
+    type (explicit sharding asks, when the contraction is over a sharded dimension, as a
     weight's gradient over a sharded batch is)."""
     (x_contract, y_contract), (x_batch, y_batch) = dn
     x_kept = _remaining(range(np.ndim(x)), x_contract, x_batch)
@@ -323,8 +323,8 @@ def _ragged_transpose(ct, other, operand, rdn, group_sizes, precision, result, s
 
 def _sharded_as(x, axes) -> dict:
     """``out_sharding`` for a product whose result is `x`'s axes in the order
-    `axes`: `x`'s (or type `x`'s) sharding permuted, or nothing where it has no mesh."""
-    sharding = (x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)).sharding
+    `axes`: type `x`'s sharding permuted, or nothing where it has no mesh."""
+    sharding = x.sharding
     if sharding.mesh.empty:
         return {}
     spec = tuple(sharding.spec) + (None,) * (np.ndim(x) - len(sharding.spec))

@@ -109,16 +109,13 @@ class Context(NamedTuple):
         passed = None if loop else holding(self.arguments)
         return self._replace(passed=passed, passed_tables=holding(self.tables))
 
-    def child(self, invariant=(), probing: bool = False) -> Context:
-        return self._replace(scope=Scope(self.scope, invariant), probing=self.probing or probing)
-
     @contextlib.contextmanager
     def nested(self, invariant=(), probing: bool = False):
-        """A `child` context for one trace of a body. Its scope lets go of the
-        trace's values as the body returns: a rule's closure may outlive the trace
-        (a custom_jvp's rule, kept in its equation), and a tracer it held would be a
-        leak (``jax_check_tracer_leaks``), and would keep the trace's arrays alive."""
-        child = self.child(invariant, probing)
+        """A child context for one trace of a body, with a scope of its own that lets
+        go of the trace's values as the body returns: a rule's closure may outlive
+        the trace (a custom_jvp's rule, kept in its equation), and a tracer it held
+        would be a leak (``jax_check_tracer_leaks``) and keep the trace's arrays alive."""
+        child = self._replace(scope=Scope(self.scope, invariant), probing=self.probing or probing)
         try:
             yield child
         finally:
