@@ -9,6 +9,8 @@ Each step here is traced afresh inside the checker, which raises at the end of a
 trace that left one of its tracers referenced.
 """
 
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +24,15 @@ from conftest import F16, F32
 from models import model_case
 
 BF16 = jnp.bfloat16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _small_heap():
+    """The checker looks for referrers of every trace's tracers among all live
+    objects: the caches the worker's earlier tests filled made each trace here three
+    to four times slower."""
+    jax.clear_caches()
+    gc.collect()
 
 
 def _leak_checked(step, *args):
