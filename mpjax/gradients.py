@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax import _compat
+from mpjax import _compat, _fp8_state
 from mpjax._casting import promoted
 from mpjax._float32 import reciprocal
 from mpjax._regions import SCALED
@@ -97,12 +97,14 @@ def scaled_value_and_grad(
         transform = _value_and_grad_for(args, argnums, value_and_grad)
 
         def step(s):
+            given = _fp8_state.scaled(args, s)  # Flax fp8's, in the scaled loss's units
             with jax.named_scope(SCALED):  # refused under autocast (`_regions.region_of`)
                 out = _transformed(transform, _scaled(fun, s, has_aux, argnums), argnums)(
-                    *args, **kwargs
+                    *given, **kwargs
                 )
             (_, (loss, aux)), grads = _checked_output(transform, out)
-            return loss, aux, unscale(grads, s)
+            grads = unscale(grads, s)
+            return loss, aux, _fp8_state.kept_where_not_finite(grads, _given(args, argnums))
 
         loss, aux, grads = _probing(step, scale, (args, kwargs))
         return ((loss, aux) if has_aux else loss), grads
@@ -225,17 +227,12 @@ def unscale(grads, scale: jax.Array):
     def one(path, g):
         if not jnp.issubdtype(jnp.result_type(g), jnp.inexact):
             return g  # float0 gradients of integer inputs
-        if any(getattr(k, "key", None) == _OVERWRITE_WITH_GRADIENT for k in path):
-            return g  # Flax fp8's new scales and amax histories, not gradients
+        if _fp8_state.kind(path) == "forward":
+            return g  # Flax fp8's new input and kernel statistics, not gradients
         wide = promoted(g.dtype, jnp.float32)
         return (g.astype(wide) * inverse.astype(wide) * tail.astype(wide)).astype(g.dtype)
 
     return jax.tree_util.tree_map_with_path(one, grads)
-
-
-# `flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT`: the collection whose "gradients" are
-# the new state of Flax's fp8 products, which the training step writes back as is.
-_OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 
 
 def _positions(args, argnums) -> list[int]:
@@ -248,6 +245,12 @@ def _positions(args, argnums) -> list[int]:
 
 def _differentiated(args, argnums):
     return [args[i] for i in _positions(args, argnums)]
+
+
+def _given(args, argnums):
+    """The differentiated arguments, structured as ``jax.value_and_grad``'s gradients."""
+    given = _differentiated(args, argnums)
+    return given[0] if isinstance(argnums, int) else tuple(given)
 
 
 def _check_differentiable(args, argnums) -> None:

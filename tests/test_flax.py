@@ -669,3 +669,58 @@ def test_the_fp8_state_flax_returns_as_gradients_is_not_unscaled():
         chex.assert_trees_all_equal(
             scaled[owg]["Fp8DotGeneralOp_0"][name], plain[owg]["Fp8DotGeneralOp_0"][name]
         )
+
+
+class _Fp8Mlp(nn.Module):
+    product: type = nn.Fp8DirectDotGeneralOp
+
+    @nn.compact
+    def __call__(self, x):
+        h = jax.nn.gelu(nn.Dense(64, dot_general_cls=self.product)(x))
+        return nn.Dense(8, dot_general_cls=self.product)(h)
+
+
+def _fp8_case(product):
+    x = 3.0 * jax.random.normal(jax.random.key(0), (64, 32))
+    y = jax.random.normal(jax.random.key(2), (64, 8))
+    model = _Fp8Mlp(product)
+    loss = mpjax.autocast(lambda v, x, y: jnp.sum((model.apply(v, x) - y) ** 2), dtype=jnp.bfloat16)
+    return loss, model.init(jax.random.key(1), x), x, y
+
+
+@pytest.mark.filterwarnings("ignore:The Fp8DotGeneralOp is deprecated")
+@pytest.mark.parametrize("product", [nn.Fp8DirectDotGeneralOp, nn.Fp8DotGeneralOp])
+def test_fp8_output_gradients_quantize_as_without_a_loss_scale(product):
+    # Flax's fp8 products scale the output gradient into e5m2 by a history of its
+    # maxima. Kept in the scaled loss's units, that history was stale whenever the
+    # loss scale changed: on the first step (scale 1, empty history) 2**15 times the
+    # gradient saturated e5m2, a finite step 0.73 off float32 that was applied.
+    owg = "_overwrite_with_gradient"
+    loss, variables, x, y = _fp8_case(product)
+    state = mpjax.grad_scaler(optax.sgd(0.1), init_scale=2.0**15).init(variables["params"])
+    for _ in range(2):  # the first step, then one with the history it wrote
+        _, scaled = mpjax.scaled_value_and_grad(loss, state)(variables, x, y)
+        plain = jax.grad(loss)(variables, x, y)
+        chex.assert_trees_all_close(scaled, plain, rtol=1e-6, atol=0)
+        variables = {"params": variables["params"], owg: scaled[owg]}
+    state = mpjax.set_scale(state, 2.0**5)  # the loss scale backs off: nothing is stale
+    _, scaled = mpjax.scaled_value_and_grad(loss, state)(variables, x, y)
+    chex.assert_trees_all_close(scaled, jax.grad(loss)(variables, x, y), rtol=1e-6, atol=0)
+
+
+def test_a_skipped_step_leaves_the_fp8_state_as_it_was():
+    # As the scaler leaves the parameters and the optimizer state: a NaN kept in
+    # the history would freeze the layer's gradient scale for a thousand steps.
+    # (A NaN, not an inf: the fp8 products clip an inf to e5m2's largest value.)
+    owg = "_overwrite_with_gradient"
+    loss, variables, x, y = _fp8_case(nn.Fp8DirectDotGeneralOp)
+    tx = mpjax.grad_scaler(optax.sgd(0.1))
+    state = tx.init(variables["params"])
+    _, grads = mpjax.scaled_value_and_grad(loss, state)(variables, x, y.at[0, 0].set(jnp.nan))
+    assert not np.isfinite(grads["params"]["Dense_1"]["kernel"]).all()
+    chex.assert_trees_all_equal(grads[owg], variables[owg])
+    _, new_state = tx.update(grads["params"], state, variables["params"])
+    assert float(mpjax.get_scale(new_state)) < float(mpjax.get_scale(state))  # skipped
+    _, grads = mpjax.scaled_value_and_grad(loss, state)(variables, x, y)
+    history = grads[owg]["Dense_1"]["Fp8DirectDotGeneralOp_0"]["output_grad_amax_history"]
+    assert history[0] > 0  # a finite step writes its statistics
