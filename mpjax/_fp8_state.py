@@ -14,8 +14,8 @@ finite step. So the statistics are kept in the loss's own units: multiplied by t
 loss scale on the way in, divided on the way out, and the e5m2 quantization is the
 one an unscaled step makes, whatever the loss scale. A step whose gradients are not
 finite returns the collection as it was given, as the scaler leaves the parameters
-and the optimizer state: its inf would otherwise stay in the history, freezing the
-layer's gradient scale, for as many steps as the history is long.
+and the optimizer state: its inf or NaN would otherwise stay in the history, holding
+the layer's gradient scale still for as many steps as the history is long.
 """
 
 from __future__ import annotations
