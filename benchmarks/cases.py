@@ -15,7 +15,11 @@ case is the lean policy's) and the hand-cast program, for float16 and bfloat16:
 * ``lean: bias of 1e5``: the loss of a regression whose bias is the target's mean;
 * ``lean: summed log-decays``: the loss of a ``cumsum`` of log-decays (segment sums);
 * ``lean: BatchNorm, inputs around 50``: the relative error of the first layer's
-  kernel gradient.
+  kernel gradient;
+* ``Flax fp8 layers, first step``: the relative L2 error of the parameter gradients
+  of an MLP of Flax's fp8 products under autocast, without a loss scale and with
+  ``scaled_value_and_grad`` at the default scale (no hand-cast program: the fp8
+  products set their own precision).
 """
 
 from __future__ import annotations
@@ -182,6 +186,37 @@ def lean_norm() -> dict:
     return out
 
 
+class _Fp8Mlp(nn.Module):
+    fp8: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        product = {"dot_general_cls": nn.Fp8DirectDotGeneralOp} if self.fp8 else {}
+        return nn.Dense(8, **product)(jax.nn.gelu(nn.Dense(64, **product)(x)))
+
+
+def fp8_first_step() -> dict:
+    x = 3.0 * jax.random.normal(jax.random.key(0), (64, 32))
+    y = jax.random.normal(jax.random.key(2), (64, 8))
+    variables = _Fp8Mlp().init(jax.random.key(1), x)
+
+    def loss(model):
+        return lambda v: jnp.sum((model.apply(v, x) - y) ** 2)
+
+    want = jax.grad(loss(_Fp8Mlp(False)))({"params": variables["params"]})["params"]
+    flat = lambda g: jnp.concatenate([leaf.ravel() for leaf in jax.tree.leaves(g)])  # noqa: E731
+    state = mpjax.grad_scaler(optax.sgd(0.1)).init(variables["params"])
+    out = {}
+    for d in LOWS:
+        fp8 = mpjax.autocast(loss(_Fp8Mlp()), dtype=d)
+        scaled = mpjax.scaled_value_and_grad(fp8, state)(variables)[1]
+        out[jnp.dtype(d).name] = {
+            "no scaler": _rel(flat(jax.grad(fp8)(variables)["params"]), flat(want)),
+            "grad_scaler": _rel(flat(scaled["params"]), flat(want)),
+        }
+    return out
+
+
 CASES = {
     "integer-label cross-entropy": cross_entropy,
     "tied-embedding LM": tied_embedding,
@@ -189,6 +224,7 @@ CASES = {
     "lean: bias of 1e5": lean_bias,
     "lean: summed log-decays": lean_running_sum,
     "lean: BatchNorm, inputs around 50": lean_norm,
+    "Flax fp8 layers, first step": fp8_first_step,
 }
 
 

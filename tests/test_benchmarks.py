@@ -656,3 +656,6 @@ def test_cases_print_float32_autocast_and_hand_cast_figures(capsys):
     assert math.isinf(figures["float16"]["lean"]) and math.isinf(figures["float16"]["hand-cast"])
     gp = cases.gaussian_process()
     assert gp["bfloat16"]["autocast"] == pytest.approx(gp["float32"], rel=1e-5)
+    # Flax's fp8 products quantize the gradient as without a loss scale.
+    for figure in cases.fp8_first_step().values():
+        assert figure["grad_scaler"] == pytest.approx(figure["no scaler"], rel=1e-6)
