@@ -10,9 +10,10 @@ A loss scale multiplies the output gradient the history measures. Kept as Flax
 keeps it, the history is stale whenever the loss scale changes: on the first step
 (scale 1, empty history) the default loss scale saturated e5m2, a gradient error of
 0.86 against float32 where the same step without a scaler has 0.05, applied as a
-finite step (``python -m benchmarks.cases``). So the statistics are kept in the loss's own units: multiplied by the
-loss scale on the way in, divided on the way out, and the e5m2 quantization is the
-one an unscaled step makes, whatever the loss scale. A step whose gradients are not
+finite step (``python -m benchmarks.cases``). So the statistics are kept in the
+loss's own units: multiplied by the loss scale on the way in, divided on the way
+out, and the e5m2 quantization is the one an unscaled step makes, whatever the
+loss scale. A step whose gradients are not
 finite returns the collection as it was given, as the scaler leaves the parameters
 and the optimizer state: its inf or NaN would otherwise stay in the history, holding
 the layer's gradient scale still for as many steps as the history is long.
@@ -44,7 +45,10 @@ def kind(path) -> str | None:
 
 def holds_state(tree) -> bool:
     """Whether `tree` holds a leaf of the fp8 collection."""
-    paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return _holds(jax.tree_util.tree_flatten_with_path(tree)[0])
+
+
+def _holds(paths) -> bool:
     return any(kind(path) for path, _ in paths)
 
 
@@ -65,9 +69,9 @@ def scaled(args, scale: jax.Array):
 def kept_where_not_finite(grads, given):
     """`grads`, whose fp8 collection is `given`'s where any other gradient is not
     finite. `given` is the differentiated arguments, `grads`' structure."""
-    if not holds_state(grads) or jax.tree.structure(grads) != jax.tree.structure(given):
+    paths, structure = jax.tree_util.tree_flatten_with_path(grads)
+    if not _holds(paths) or structure != jax.tree.structure(given):
         return grads  # none, or a transform that filters its arguments
-    paths = jax.tree_util.tree_flatten_with_path(grads)[0]
     others = [g for path, g in paths if kind(path) is None and _finite.inexact(g)]
     bad = _finite.leaf_flags(others)[2]
 
