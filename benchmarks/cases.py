@@ -186,29 +186,31 @@ def lean_norm() -> dict:
     return out
 
 
-class _Fp8Mlp(nn.Module):
-    fp8: bool = True
+class Fp8Mlp(nn.Module):
+    """Two Dense layers whose products are Flax's fp8 `product` (None: plain ones)."""
+
+    product: type | None = nn.Fp8DirectDotGeneralOp
 
     @nn.compact
     def __call__(self, x):
-        product = {"dot_general_cls": nn.Fp8DirectDotGeneralOp} if self.fp8 else {}
+        product = {"dot_general_cls": self.product} if self.product else {}
         return nn.Dense(8, **product)(jax.nn.gelu(nn.Dense(64, **product)(x)))
 
 
 def fp8_first_step() -> dict:
     x = 3.0 * jax.random.normal(jax.random.key(0), (64, 32))
     y = jax.random.normal(jax.random.key(2), (64, 8))
-    variables = _Fp8Mlp().init(jax.random.key(1), x)
+    variables = Fp8Mlp().init(jax.random.key(1), x)
 
     def loss(model):
         return lambda v: jnp.sum((model.apply(v, x) - y) ** 2)
 
-    want = jax.grad(loss(_Fp8Mlp(False)))({"params": variables["params"]})["params"]
+    want = jax.grad(loss(Fp8Mlp(None)))({"params": variables["params"]})["params"]
     flat = lambda g: jnp.concatenate([leaf.ravel() for leaf in jax.tree.leaves(g)])  # noqa: E731
     state = mpjax.grad_scaler(optax.sgd(0.1)).init(variables["params"])
     out = {}
     for d in LOWS:
-        fp8 = mpjax.autocast(loss(_Fp8Mlp()), dtype=d)
+        fp8 = mpjax.autocast(loss(Fp8Mlp()), dtype=d)
         scaled = mpjax.scaled_value_and_grad(fp8, state)(variables)[1]
         out[jnp.dtype(d).name] = {
             "no scaler": _rel(flat(jax.grad(fp8)(variables)["params"]), flat(want)),

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from benchmarks.cases import Fp8Mlp
 from conftest import F32, all_eqns, product_ok, value_dtypes
 from flax import nnx
 
@@ -671,19 +672,10 @@ def test_the_fp8_state_flax_returns_as_gradients_is_not_unscaled():
         )
 
 
-class _Fp8Mlp(nn.Module):
-    product: type = nn.Fp8DirectDotGeneralOp
-
-    @nn.compact
-    def __call__(self, x):
-        h = jax.nn.gelu(nn.Dense(64, dot_general_cls=self.product)(x))
-        return nn.Dense(8, dot_general_cls=self.product)(h)
-
-
 def _fp8_case(product):
     x = 3.0 * jax.random.normal(jax.random.key(0), (64, 32))
     y = jax.random.normal(jax.random.key(2), (64, 8))
-    model = _Fp8Mlp(product)
+    model = Fp8Mlp(product)
     loss = mpjax.autocast(lambda v, x, y: jnp.sum((model.apply(v, x) - y) ** 2), dtype=jnp.bfloat16)
     return loss, model.init(jax.random.key(1), x), x, y
 
