@@ -6,6 +6,7 @@ what was given.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 
@@ -177,6 +178,55 @@ def check_no_float16(params, inner, inner_state, name: str = "grad_scaler") -> N
             "to unscale FP16 gradients'.) Frozen float16 parameters are accepted: "
             "give them optax.set_to_zero() in an optax.multi_transform."
         )
+
+
+def explain_failed_update(name: str, inner, updates, state, params, error) -> None:
+    """Where the scaler's ``update`` failed, raises a ValueError naming the cause if
+    it is one a user makes: gradients shaped unlike the parameters, or a state made
+    for another optimizer (a checkpoint of an earlier run). Returns otherwise. Run
+    only after a failure: a successful step pays nothing for it."""
+    if str(error).startswith(f"{name} "):
+        return  # the scaler's own, which names its cause already
+    if params is not None and (found := _first_difference(params, updates)):
+        want, got = found
+        raise ValueError(
+            f"{name} update: the gradients are not shaped as the parameters: they hold "
+            f"{_described('updates', got)} where the parameters hold "
+            f"{_described('params', want)}. Pass the gradients of these parameters, as "
+            "scaled_value_and_grad returns them."
+        ) from error
+    try:
+        expected = jax.eval_shape(inner.init, updates if params is None else params)
+    except Exception:  # noqa: BLE001 (inner's init cannot say: the failure stands as it is)
+        return
+    if found := _first_difference(expected, state.inner_state):
+        want, got = found
+        raise ValueError(
+            f"{name} update: the state is not one the wrapped optimizer makes for these "
+            f"parameters: it holds {_described('state.inner_state', got)} where "
+            f"inner.init(params) makes {_described('state.inner_state', want)}. A state "
+            "made for another optimizer or other parameters (a checkpoint of an earlier "
+            "run) cannot be resumed: build the state with tx.init(params) of this "
+            "transformation and restore into that structure."
+        ) from error
+
+
+def _first_difference(want, got):
+    """The first leaves, as (path, leaf) or None, at which `got` differs from `want`
+    in path or shape; None where it differs in neither."""
+    pairs = itertools.zip_longest(
+        jax.tree_util.tree_flatten_with_path(want)[0], jax.tree_util.tree_flatten_with_path(got)[0]
+    )
+    for w, g in pairs:
+        if w is None or g is None or w[0] != g[0] or jnp.shape(w[1]) != jnp.shape(g[1]):
+            return w, g
+    return None
+
+
+def _described(name: str, leaf) -> str:
+    if leaf is None:
+        return "nothing more"
+    return f"{name}{jax.tree_util.keystr(leaf[0])} of shape {jnp.shape(leaf[1])}"
 
 
 def _moved_leaves(params, inner, inner_state, treedef) -> list[bool]:

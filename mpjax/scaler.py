@@ -64,6 +64,7 @@ from mpjax._scaler_checks import (
     check_inner,
     check_no_float16,
     check_static_scale,
+    explain_failed_update,
     grad_scaler_config,
 )
 from mpjax._scaler_update import ScalerConfig
@@ -318,7 +319,11 @@ def _loss_scaler(inner, config: ScalerConfig) -> optax.GradientTransformationExt
                 f"shape {jnp.shape(state.scale)}. Restore checkpoints into the structure "
                 "tx.init(params) returns (e.g. orbax's restore with that as target)."
             )
-        return _scaler_update.update(inner, config, updates, state, params, extra)
+        try:
+            return _scaler_update.update(inner, config, updates, state, params, extra)
+        except (ValueError, TypeError) as error:
+            explain_failed_update(config.name, inner, updates, state, params, error)
+            raise
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -52,6 +52,8 @@ remaining inputs.
 | the same, read with ``get_scale`` / ``scaler_stats`` before any step | returned as a float32 scalar, as documented |
 | a restored scale of 0                                            | the step is skipped and the scale backs off to ``min_scale``: training resumes |
 | a restored scale of shape (1,)                                   | ValueError at ``update`` naming ``scale``, its shape, and how to restore |
+| a scaler state made for another inner optimizer or other parameters (an earlier run's checkpoint) | ValueError at ``update`` naming the first leaf of ``state.inner_state`` that differs from ``inner.init(params)``'s, and how to restore |
+| gradients shaped unlike the parameters given to ``update`` | ValueError naming the first leaf that differs, in both trees |
 | a restored scale of NaN or inf                                   | the scale restarts from ``min_scale`` and training resumes |
 | integer inputs (int8 matmuls included), float64 inputs under ``jax.enable_x64`` | run untouched: same values bit for bit, same dtypes, no cast inserted; float64 gradients stay float64 |
 """
@@ -945,6 +947,36 @@ def test_restored_non_scalar_scale_is_a_clear_error_at_update(scale):
     grads = jax.tree.map(jnp.ones_like, PARAMS)
     with pytest.raises(ValueError, match=r"scale.*shape \(1,? ?1?\)"):
         _TX.update(grads, state, PARAMS)
+
+
+@pytest.mark.parametrize(
+    "made_by, params",
+    [
+        (optax.sgd(0.1), PARAMS),  # another optimizer: no moments at all
+        (optax.adamw(1e-2), {"w": jnp.zeros((3, 3)), "b": jnp.zeros(2)}),  # other shapes
+    ],
+    ids=["another optimizer", "other parameters"],
+)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_state_made_for_another_optimizer_is_a_clear_error(made_by, params, jit):
+    # The restored checkpoint of an earlier run: optax alone says "The number of
+    # updates and states has to be the same in chain", or a broadcasting error.
+    tx = grad_scaler(optax.adamw(1e-2))
+    old = grad_scaler(made_by).init(params)
+    update = jax.jit(tx.update) if jit else tx.update
+    with pytest.raises(ValueError, match=r"^grad_scaler update: the state is not one .* it "
+                       r"holds .* where inner.init\(params\) makes state\.inner_state\[0\]\."
+                       r".*tx.init\(params\)"):
+        update(jax.tree.map(jnp.ones_like, PARAMS), old, PARAMS)
+
+
+def test_gradients_shaped_unlike_the_parameters_are_a_clear_error():
+    tx = grad_scaler(optax.adamw(1e-2))
+    grads = {"w": jnp.ones((3, 2)), "b": jnp.ones(4)}
+    with pytest.raises(ValueError, match=r"^grad_scaler update: the gradients are not shaped "
+                       r"as the parameters: they hold updates\['b'\] of shape \(4,\) where "
+                       r"the parameters hold params\['b'\] of shape \(2,\)"):
+        tx.update(grads, tx.init(PARAMS), PARAMS)
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
