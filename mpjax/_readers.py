@@ -134,52 +134,74 @@ _TO_FACTORIZATION = policy.POINTWISE | policy.LAYOUT | frozenset(
 _CALLS = policy.JITS | frozenset({"closed_call", "custom_jvp_call", "custom_vjp_call"})
 
 
-def factorized(eqns, readers) -> frozenset[int]:
-    """ids of the matrix products of `jaxpr` whose results only linear algebra reads
-    (`policy.FACTORIZATIONS`, through elementwise and layout primitives and into
-    nested jits: ``jnp.linalg.cholesky(x @ x.T + noise * eye)``). Rounded to 16 bits,
-    a Gram matrix loses its positive definiteness (an eigenvalue of 0.01 became
-    negative in bfloat16), and its Cholesky factor is NaN: such a product runs as written.
-    `readers`: `reader_indices`, without the equations that only observe."""
-    return frozenset(
-        id(e)
-        for e in eqns
-        if e.primitive.name == "dot_general"
-        and all(_only_factorized(v, eqns, readers) for v in e.outvars)
-    )
+def factorized(eqns, outvars) -> frozenset[int]:
+    """ids of the matrix products of a jaxpr (`eqns`, `outvars`) whose results only
+    linear algebra reads (`policy.FACTORIZATIONS`, through elementwise and layout
+    primitives and through nested jits, into their bodies and out of them:
+    ``jnp.linalg.cholesky(jnp.clip(x @ x.T, -c, c) + noise * eye)``). Rounded to 16
+    bits, a Gram matrix loses its positive definiteness (an eigenvalue of 0.01 became
+    negative in bfloat16), and its Cholesky factor is NaN: such a product runs as
+    written. Equations that only observe, and those whose results nothing reads,
+    are no readers."""
+    readers = reader_indices(eqns, outvars, _unused(eqns, outvars))
+    out = []
+    for e in eqns:
+        if e.primitive.name == "dot_general":
+            paths = _paths(e.outvars, eqns, readers, outvars)
+            out += [id(e)] * (paths is not None and paths[0] and not paths[1])
+    return frozenset(out)
 
 
-def _only_factorized(v, eqns, readers) -> bool:
-    """Whether every path from `v` ends in a factorization (an unread value: none)."""
-    stack, seen = [v], set()
+def _unused(eqns, outvars) -> frozenset[int]:
+    """Indices of the equations that only observe (`observing`) or compute values
+    nothing reads but such equations (dead code, which XLA removes)."""
+    readers = reader_indices(eqns, outvars)
+    found: set = set()
+    for i in reversed(range(len(eqns))):
+        eqn = eqns[i]
+        if eqn.primitive.name in OBSERVERS or not eqn.effects and all(
+            r in found for v in eqn.outvars for r in readers.get(v, ())
+        ):  # an output's reader, OUTPUT, is never found
+            found.add(i)
+    return frozenset(found)
+
+
+def _paths(start, eqns, readers, outvars):
+    """Where the paths from the variables `start` end: None if one ends in a reader
+    other than a factorization, else (whether one ends in a factorization, the
+    positions of the jaxpr's outputs they reach)."""
+    stack, seen, factorizes, outputs = list(start), set(), False, set()
     while stack:
         u = stack.pop()
         if u in seen:
             continue
         seen.add(u)
-        if not readers.get(u):
-            return False
-        for i in readers[u]:
-            eqn = eqns[i] if i != OUTPUT else None
-            name = eqn.primitive.name if eqn is not None else None
-            if name in policy.FACTORIZATIONS:
-                continue
-            if name in _TO_FACTORIZATION:
-                stack.extend(eqn.outvars)
-            elif name not in _CALLS or not _body_factorizes(eqn, u):
-                return False
-    return True
+        for i in readers.get(u, ()):
+            name = eqns[i].primitive.name if i != OUTPUT else None
+            if i == OUTPUT:
+                outputs.update(j for j, w in enumerate(outvars) if w is u)
+            elif name in policy.FACTORIZATIONS:
+                factorizes = True
+            elif name in _TO_FACTORIZATION:
+                stack.extend(eqns[i].outvars)
+            elif name in _CALLS and (body := _body_paths(eqns[i], u)) is not None:
+                factorizes |= body[0]
+                stack.extend(eqns[i].outvars[j] for j in body[1])
+            else:
+                return None
+    return factorizes, outputs
 
 
-def _body_factorizes(eqn, v) -> bool:
-    """Whether the body `eqn` calls reads its operand `v` only to factorize it."""
+def _body_paths(eqn, v):
+    """`_paths` from the body's parameters that `eqn` passes its operand `v`; None
+    where the body cannot be followed (its outputs, `eqn`'s, in the same order)."""
     bodies = _compat.sub_jaxprs(eqn.params)
     if len(bodies) != 1:
-        return False
+        return None
     body = _compat.jaxpr_and_consts(bodies[0])[0]
-    if len(body.invars) != len(eqn.invars):
-        return False
-    readers = reader_indices(body.eqns, body.outvars, observing(body.eqns, body.outvars))
-    return all(
-        _only_factorized(w, body.eqns, readers) for w, u in zip(body.invars, eqn.invars) if u is v
+    if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):
+        return None
+    readers = reader_indices(body.eqns, body.outvars, _unused(body.eqns, body.outvars))
+    return _paths(
+        [w for w, u in zip(body.invars, eqn.invars) if u is v], body.eqns, readers, body.outvars
     )

@@ -152,7 +152,7 @@ def find(jaxpr, passed=None, passed_tables=None) -> Fusions:
     float32_sums |= frozenset(id(e) for e in eqns if _readers.is_mean(e, eqns, readers))
     fused = (bias_adds, float32_sums, residual_sums, chains, frozenset(deferred))
     lone = _readers.lone_operands(eqns, readers)
-    factorized = _readers.factorized(eqns, readers)
+    factorized = _readers.factorized(eqns, jaxpr.outvars)
     return Fusions(*fused, args, accumulated, selects, lone, observing, factorized)
 
 

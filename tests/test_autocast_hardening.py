@@ -1889,10 +1889,36 @@ def _ridge(x, y):
     return jnp.sum(jnp.linalg.solve(x.T @ x + jnp.eye(x.shape[1]), x.T @ y[:, None]) ** 2)
 
 
+def _gram_nll_through(jitted):  # jnp's clip, where, tril, nan_to_num are nested jits
+    def f(x, y):
+        gram = jitted(x @ x.T) + 1e-2 * jnp.eye(x.shape[0])
+        chol = jnp.linalg.cholesky(gram)
+        return 0.5 * y @ jax.scipy.linalg.cho_solve((chol, True), y) + jnp.log(chol[0, 0])
+
+    return f
+
+
+def _gram_nll_with_dead_code(x, y):  # a value computed and never used reads nothing
+    gram = x @ x.T + 1e-2 * jnp.eye(x.shape[0])
+    _ = jnp.trace(gram) * gram
+    chol = jnp.linalg.cholesky(gram)
+    return 0.5 * y @ jax.scipy.linalg.cho_solve((chol, True), y) + jnp.sum(jnp.log(jnp.diag(chol)))
+
+
 @pytest.mark.parametrize(
     "fun",
-    [_gram_nll, _rbf_nll, _ridge, _gram_nll_observed],
-    ids=["gram", "rbf", "ridge", "observed"],
+    [
+        _gram_nll,
+        _rbf_nll,
+        _ridge,
+        _gram_nll_observed,
+        _gram_nll_through(lambda k: jnp.clip(k, -100.0, 100.0)),
+        _gram_nll_through(lambda k: jnp.where(jnp.eye(k.shape[0], dtype=bool), k, 1.0 * k)),
+        _gram_nll_through(jnp.tril),
+        _gram_nll_through(jnp.nan_to_num),
+        _gram_nll_with_dead_code,
+    ],
+    ids=["gram", "rbf", "ridge", "observed", "clip", "where", "tril", "nan_to_num", "dead"],
 )
 def test_a_product_only_a_factorization_reads_runs_as_written(fun):
     # Rounded to bfloat16, the Gram matrix of 64 points was indefinite (an
