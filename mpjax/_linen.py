@@ -3,10 +3,12 @@
 ``autocast(model.apply)`` is the way: `apply` is a pure function of the variables.
 An autocast function run inside a Linen method (``@autocast`` on an
 ``@nn.compact`` method, or ``autocast(lambda x: nn.Dense(3)(x))`` within one) is
-traced apart from the module, so at ``init`` the parameters it creates are that
-trace's values: they leak out of it, and ``init`` returns tracers without an
-error. Inside a Linen method autocast therefore looks for values of its trace left
-in the module's variables, and does not reuse traces (what the function reads from
+traced apart from the module, so the values it stores in the module (parameters
+created at ``init``, a BatchNorm's statistics) would be that trace's: they would
+leak out of it without an error. So inside a Linen method autocast refuses the
+module as an argument (the decorated method), runs as written at ``init`` (which
+creates the parameters, float32 either way), looks for values of its trace left in
+the module's variables, and does not reuse traces (what the function reads from
 the module is not among its arguments).
 
 Flax is never imported here: while ``flax.linen`` is absent from `sys.modules`
