@@ -34,7 +34,7 @@ class Equation(NamedTuple):
     out_dtypes: tuple[str, ...]
     path: str
     """Where it sits: the higher-order primitives around it, e.g. ``"scan/cond"``
-    (not ``jit``: autocast inlines nested jits)."""
+    (a ``jit`` only outside autocast: autocast inlines the jits nested in it)."""
     source: str
     """The user's line that produced it."""
 
@@ -49,7 +49,7 @@ class AuditReport:
       float_casts: number of casts between floating dtypes.
       casts_inserted: casts that autocast added, when the audited function is
         an `autocast` function (its float casts minus those of the function it
-        wraps); None otherwise.
+        wraps, through any autocast nested directly in it); None otherwise.
       matmul_flops: floating-point operations of the dot products and
         convolutions one call runs: a scan body once per iteration, a while
         loop's body once (its trip count is not known), and of a cond's branches
@@ -171,6 +171,8 @@ def audit(fun: Callable, /, *args, **kwargs) -> AuditReport:
     equations, casts, flops, low_flops = _walk(_trace(fun, args, kwargs))
     inserted = None
     original = original_of(fun)
+    while (inner := original_of(original)) is not None:  # autocast(autocast(f)): f's
+        original = inner
     if original is not None:
         inserted = casts - _walk(_trace(original, args, kwargs))[1]
     return AuditReport(tuple(equations), casts, inserted, flops, low_flops)

@@ -25,6 +25,9 @@ def test_report_lists_dtypes_casts_and_flops():
     # w, x down; the product's float16 result widened for exp (a float32
     # operation reads the 16-bit result, as torch's do).
     assert report.float_casts == report.casts_inserted == 3
+    # autocast of an autocast function: the same program, the same casts its own
+    twice = mpjax.audit(mpjax.autocast(mpjax.autocast(f)), w, x)
+    assert twice.summary() == report.summary() and twice.casts_inserted == 3
     text = str(report)
     assert "dot_general" in text and "float16, float16 -> float16" in text
     assert "100.0%" in text
