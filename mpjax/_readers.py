@@ -132,6 +132,10 @@ _TO_FACTORIZATION = policy.POINTWISE | policy.LAYOUT | frozenset(
     {"add_any", "convert_element_type", "stop_gradient"}
 )
 _CALLS = policy.JITS | frozenset({"closed_call", "custom_jvp_call", "custom_vjp_call"})
+_TESTS = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "is_finite"})
+"""Readers that compute booleans only (``jnp.linalg.cond``'s NaN check on jax 0.12):
+they read the product as written as the traced program does, and decide nothing
+about its precision."""
 
 
 def factorized(eqns, outvars) -> frozenset[int]:
@@ -182,6 +186,8 @@ def _paths(start, eqns, readers, outvars):
                 outputs.update(j for j, w in enumerate(outvars) if w is u)
             elif name in policy.FACTORIZATIONS:
                 factorizes = True
+            elif name in _TESTS:
+                continue
             elif name in _TO_FACTORIZATION:
                 stack.extend(eqns[i].outvars)
             elif name in _CALLS and (body := _body_paths(eqns[i], u)) is not None:

@@ -1905,9 +1905,22 @@ def _gram_nll_with_dead_code(x, y):  # a value computed and never used reads not
     return 0.5 * y @ jax.scipy.linalg.cho_solve((chol, True), y) + jnp.sum(jnp.log(jnp.diag(chol)))
 
 
+def _condition_number(x, y):  # jax 0.12's jnp.linalg.cond also tests its input for NaN
+    return jnp.log(jnp.linalg.cond(x @ x.T + 1e-2 * jnp.eye(x.shape[0]))) + jnp.sum(y)
+
+
+def _gram_nll_checked(x, y):  # a test of its own reads the matrix too
+    gram = x @ x.T + 1e-2 * jnp.eye(x.shape[0])
+    chol = jnp.linalg.cholesky(gram)
+    nll = 0.5 * y @ jax.scipy.linalg.cho_solve((chol, True), y) + jnp.log(chol[0, 0])
+    return jnp.where(jnp.isfinite(gram).all(), nll, jnp.nan)
+
+
 @pytest.mark.parametrize(
     "fun",
     [
+        _condition_number,
+        _gram_nll_checked,
         _gram_nll,
         _rbf_nll,
         _ridge,
@@ -1918,7 +1931,8 @@ def _gram_nll_with_dead_code(x, y):  # a value computed and never used reads not
         _gram_nll_through(jnp.nan_to_num),
         _gram_nll_with_dead_code,
     ],
-    ids=["gram", "rbf", "ridge", "observed", "clip", "where", "tril", "nan_to_num", "dead"],
+    ids=["cond", "checked", "gram", "rbf", "ridge", "observed", "clip", "where", "tril",
+         "nan_to_num", "dead"],
 )
 def test_a_product_only_a_factorization_reads_runs_as_written(fun):
     # Rounded to bfloat16, the Gram matrix of 64 points was indefinite (an
