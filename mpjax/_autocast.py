@@ -21,14 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax import _compat
-from mpjax import _constants
-from mpjax import _leaves
-from mpjax import _linen
-from mpjax import _marks
-from mpjax import _nnx
-from mpjax import _pytree_fun
-from mpjax import _trace_cache
+from mpjax import _compat, _constants, _leaves, _linen, _marks, _nnx, _pytree_fun, _trace_cache
 from mpjax import control_flow  # noqa: F401  (registers the higher-order rules)
 from mpjax import custom_rules  # noqa: F401  (registers the custom-derivative rules)
 from mpjax import policy
@@ -43,11 +36,12 @@ POLICIES = ("torch", "lean")
 def _check_dtype(dtype, enabled=True) -> np.dtype:
     resolved = dtype_named(dtype, "autocast(dtype")
     if resolved not in policy.LOW_DTYPES:
-        fix = "To run a region in float32, use autocast(fun, enabled=False)." if enabled else (
-            "Spell it jnp.float16, jnp.bfloat16, 'float16' or 'bfloat16' (or jnp.float32).")
+        wide = enabled and resolved is not None and jnp.issubdtype(resolved, jnp.floating)
+        spell = "Spell it jnp.float16, jnp.bfloat16, 'float16' or 'bfloat16'"  # 'bf16', int8
+        fix = "To run a region in float32, use autocast(fun, enabled=False)" if wide else spell
         raise ValueError(
-            f"autocast(dtype={dtype!r}): dtype must be jnp.float16 or jnp.bfloat16, "
-            f"the precision that matrix products run in. {fix}"
+            f"autocast(dtype={dtype!r}): dtype must be jnp.float16 or jnp.bfloat16, the "
+            f"precision that matrix products run in. {fix}{' (or jnp.float32)' * (not enabled)}."
         )
     return resolved
 
@@ -106,9 +100,9 @@ def autocast(
         as ``torch.autocast`` does: a float32-list operation returns float32; a
         product plus its bias, and an activation function between two products,
         each run as torch's single operation would and return `dtype` (see
-        `mpjax.fusions`). ``"lean"`` keeps
-        activations in `dtype` between operations, as a model written with Flax's
-        ``dtype=`` does: float32-list operations compute in float32 and return
+        `mpjax.fusions`). ``"lean"`` keeps activations in `dtype` between
+        operations, as a model written with Flax's ``dtype=`` does: float32-list
+        operations compute in float32 and return
         `dtype` (rematerialized, so no float32 copy is kept for the backward
         pass); reductions stay float32; the largest operand of a multi-input
         operation sets its precision; embedding lookups gather from a
@@ -118,9 +112,9 @@ def autocast(
         in, as torch FSDP's ``reduce_dtype``. ``jnp.float32`` (default): the
         weight gradient of a matrix product with a float32 input (under
         ``jax.grad(autocast(f))``) multiplies 16-bit operands into a float32
-        sum over the batch, never rounded to `dtype`, so data-parallel ``jit``
-        all-reduces it in float32. Pass `dtype` itself to all-reduce in 16 bits,
-        for half the bandwidth. Convolutions always produce `dtype` results.
+        sum over the batch, never rounded to `dtype`, so data-parallel ``jit`` all-reduces
+        it in float32 (a convolution returns `dtype`). Pass `dtype` itself to all-reduce
+        in 16 bits, for half the bandwidth (a residual sum then adds such a product rounded).
 
     Returns:
       A function with the signature of `fun`.

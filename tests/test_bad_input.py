@@ -16,7 +16,7 @@ remaining inputs.
 | ``fun`` returning non-arrays beside arrays (a string tag)        | handed back as returned, as without autocast |
 | an array used as a shape or slice bound                          | JAX's error, naming ``fun`` (not an mpjax wrapper), with mpjax's note on static arguments |
 | ``audit(3)``, ``audit(array)``                                   | TypeError: "audit(fun, ...): fun must be callable, got int" |
-| ``autocast(f, dtype=jnp.int8 / jnp.float64 / jnp.float32 / "half-ish")``, and as ``@autocast(dtype=...)`` | ValueError at wrap time naming ``dtype``, the two valid dtypes, and ``enabled=False`` for float32 regions; dtype names ``"float16"``, ``"bfloat16"`` are accepted; a tuple or list of dtypes is refused (NumPy would read it as its first), by ``diagnose`` too; ``dtype=jnp.float32`` with ``enabled=False`` is accepted (both say "as written") |
+| ``autocast(f, dtype=jnp.int8 / jnp.float64 / jnp.float32 / "half-ish")``, and as ``@autocast(dtype=...)`` | ValueError at wrap time naming ``dtype``, the two valid dtypes, and ``enabled=False`` for float32 regions (for a misspelling such as ``"bf16"``, or an integer dtype, how to spell the two); dtype names ``"float16"``, ``"bfloat16"`` are accepted; a tuple or list of dtypes is refused (NumPy would read it as its first), by ``diagnose`` too; ``dtype=jnp.float32`` with ``enabled=False`` is accepted (both say "as written") |
 | ``autocast(f, reduce_dtype=...)`` other than ``jnp.float32`` or the autocast dtype (``None``, bfloat16 under float16, float64, int8, an unknown name), and as ``@autocast(reduce_dtype=...)`` | ValueError at wrap time naming ``reduce_dtype`` and its two choices, with what each does |
 | NumPy dates and durations (``datetime64``, ``timedelta64``: arrays or scalars), strings, bytes, objects | passed to ``fun`` unchanged, as JAX cannot trace them; a scalar keys the eager trace by its value |
 | Python bool / int / float / str arguments (positional, keyword, inside pytrees) | passed to ``fun`` unchanged, as Python objects: they may steer control flow and shapes; ``jax.jit(..., static_argnames=...)`` around autocast works |
@@ -282,7 +282,9 @@ def test_audit_non_callable_names_fun(fun):
         mpjax.audit(fun, jnp.ones(2))
 
 
-@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float64, jnp.float32, "half-ish", "int8"])
+@pytest.mark.parametrize(
+    "dtype", [jnp.int8, jnp.float64, jnp.float32, "half-ish", "int8", "bf16", "fp16"]
+)
 def test_bad_dtype_names_the_valid_ones_and_the_float32_route(dtype):
     for make in [
         lambda: mpjax.autocast(lambda x: x, dtype=dtype),
@@ -294,7 +296,12 @@ def test_bad_dtype_names_the_valid_ones_and_the_float32_route(dtype):
             r"or jnp\.bfloat16",
         ) as info:
             make()
-        assert "autocast(fun, enabled=False)" in str(info.value)
+        if dtype in (jnp.float64, jnp.float32):  # a wider float: the float32 route
+            assert "autocast(fun, enabled=False)" in str(info.value)
+        else:  # a misspelling, or no float at all: how to spell the two
+            assert "Spell it jnp.float16, jnp.bfloat16, 'float16' or 'bfloat16'." in str(
+                info.value
+            )
 
 
 @pytest.mark.parametrize(
