@@ -147,12 +147,14 @@ def factorized(eqns, outvars) -> frozenset[int]:
     negative in bfloat16), and its Cholesky factor is NaN: such a product runs as
     written. Equations that only observe, and those whose results nothing reads,
     are no readers."""
+    products = [e for e in eqns if e.primitive.name == "dot_general"]
+    if not products:  # most nested jits' bodies: no pass over them for the readers
+        return frozenset()
     readers = reader_indices(eqns, outvars, _unused(eqns, outvars))
     out = []
-    for e in eqns:
-        if e.primitive.name == "dot_general":
-            paths = _paths(e.outvars, eqns, readers, outvars)
-            out += [id(e)] * (paths is not None and paths[0] and not paths[1])
+    for e in products:
+        paths = _paths(e.outvars, eqns, readers, outvars)
+        out += [id(e)] * (paths is not None and paths[0] and not paths[1])
     return frozenset(out)
 
 
