@@ -321,7 +321,9 @@ def _loss_scaler(inner, config: ScalerConfig) -> optax.GradientTransformationExt
             )
         try:
             return _scaler_update.update(inner, config, updates, state, params, extra)
-        except (ValueError, TypeError) as error:
+        # optax's own errors for a state of another optimizer: a chain of another
+        # length (ValueError), a missing field (AttributeError: EmptyState has no mu).
+        except (ValueError, TypeError, AttributeError) as error:
             explain_failed_update(config.name, inner, updates, state, params, error)
             raise
 

@@ -957,18 +957,20 @@ def test_restored_non_scalar_scale_is_a_clear_error_at_update(scale):
 
 
 @pytest.mark.parametrize(
-    "made_by, params",
+    "inner, made_by, params",
     [
-        (optax.sgd(0.1), PARAMS),  # another optimizer: no moments at all
-        (optax.adamw(1e-2), {"w": jnp.zeros((3, 3)), "b": jnp.zeros(2)}),  # other shapes
+        (optax.adamw(1e-2), optax.sgd(0.1), PARAMS),  # another optimizer: no moments at all
+        (optax.adam(1e-2), optax.sgd(0.1), PARAMS),  # as long a chain: EmptyState has no mu
+        (optax.adamw(1e-2), optax.adamw(1e-2), {"w": jnp.zeros((3, 3)), "b": jnp.zeros(2)}),
     ],
-    ids=["another optimizer", "other parameters"],
+    ids=["another optimizer", "another optimizer, as many parts", "other parameters"],
 )
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_a_state_made_for_another_optimizer_is_a_clear_error(made_by, params, jit):
+def test_a_state_made_for_another_optimizer_is_a_clear_error(inner, made_by, params, jit):
     # The restored checkpoint of an earlier run: optax alone says "The number of
-    # updates and states has to be the same in chain", or a broadcasting error.
-    tx = grad_scaler(optax.adamw(1e-2))
+    # updates and states has to be the same in chain", "'EmptyState' object has no
+    # attribute 'mu'", or a broadcasting error.
+    tx = grad_scaler(inner)
     old = grad_scaler(made_by).init(params)
     update = jax.jit(tx.update) if jit else tx.update
     with pytest.raises(ValueError, match=r"^grad_scaler update: the state is not one .* it "
