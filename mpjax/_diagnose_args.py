@@ -47,6 +47,13 @@ def check_options(loss_fn, dtype, has_aux, policy) -> list[str]:
     return [name]
 
 
+_EAGER = (
+    "diagnose runs one step eagerly, on concrete values: call it outside jax.jit, "
+    "grad or vmap, on the arrays you would pass to your training step (not "
+    "jax.ShapeDtypeStruct: mpjax.audit takes shapes alone)."
+)
+
+
 def check_scale(scale, dtype: str) -> float:
     if scale is None:
         return _DEFAULT_SCALE[dtype]
@@ -58,10 +65,10 @@ def check_scale(scale, dtype: str) -> float:
                 f"diagnose(scale=...): scale must be a scalar, got an array of shape "
                 f"{np.shape(scale)}. Pass one number, or the optimizer state."
             )
-        value = float(scale)
+        value = _concrete(scale)
     else:
         try:
-            value = float(get_scale(scale))
+            value = _concrete(get_scale(scale))
         except ValueError as e:
             raise ValueError(
                 f"diagnose(scale=...): scale must be a number or an optimizer state holding "
@@ -74,6 +81,12 @@ def check_scale(scale, dtype: str) -> float:
             f">= 2**-126 and <= {MAX_F32!r}."
         )
     return value
+
+
+def _concrete(x) -> float:
+    if isinstance(x, jax.core.Tracer):  # diagnose(scale=opt_state) under jit
+        raise TypeError(_EAGER)
+    return float(x)
 
 
 def unwrap(fun, dtype, policy) -> tuple[Callable, object, str]:
@@ -133,11 +146,7 @@ def problem(loss_fn, params, batch, has_aux) -> Problem:
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     leaves = [*(x for _, x in flat), *jax.tree.leaves(batch)]
     if any(isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)) for x in leaves):
-        raise TypeError(
-            "diagnose runs one step eagerly, on concrete values: call it outside jax.jit, "
-            "grad or vmap, on the arrays you would pass to your training step (not "
-            "jax.ShapeDtypeStruct: mpjax.audit takes shapes alone)."
-        )
+        raise TypeError(_EAGER)
     where = [i for i, (_, x) in enumerate(flat) if is_float(x)]
     if not where:
         raise ValueError(

@@ -382,6 +382,11 @@ def test_bad_input():
         mpjax.diagnose(lambda w, x: x @ w, w, x)
     with pytest.raises(TypeError, match="outside jax.jit"):
         jax.jit(lambda w: mpjax.diagnose(loss_fn, w, x))(w)
+    state = mpjax.grad_scaler(optax.sgd(0.1)).init(w)  # the scale, traced: no float() error
+    with pytest.raises(TypeError, match="outside jax.jit"):
+        jax.jit(lambda s: mpjax.diagnose(loss_fn, w, x, scale=s))(state)
+    with pytest.raises(TypeError, match="outside jax.jit"):
+        jax.jit(lambda s: mpjax.diagnose(loss_fn, w, x, scale=s))(jnp.float32(8.0))
     with pytest.raises(ValueError, match="policy"):
         mpjax.diagnose(loss_fn, w, x, policy="fast")
 
